@@ -1,0 +1,1 @@
+"""Affine-Scaled Attention for PyTorch and Hugging Face transformers."""

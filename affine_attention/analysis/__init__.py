@@ -1,0 +1,1 @@
+"""Attention diagnostics: capture hooks, pure metric functions, gradient-norm statistics, plots."""

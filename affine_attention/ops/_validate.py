@@ -1,0 +1,70 @@
+"""Argument checks shared by every attention op: clear ValueErrors naming the argument and the expected shape."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> tuple[int, int, int, int, int, int]:
+    """Validate q: (B, Hq, T, D), k and v: (B, Hkv, S, D); return (B, Hq, Hkv, T, S, D)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor of shape (B, H, T, D), got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have rank 4 (B, H, T, D) like torch SDPA, got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    B, Hq, T, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (B, Hkv, S, D), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    Bk, Hkv, S, Dk = k.shape
+    if Bk != B or Dk != D:
+        raise ValueError(
+            f"k and v must be (B={B}, Hkv, S, D={D}) to match q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device != k.device or q.device != v.device:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if Hkv != Hq:
+        if not enable_gqa:
+            raise ValueError(
+                f"q has {Hq} heads but k/v have {Hkv}; pass enable_gqa=True for grouped-query attention")
+        if Hkv == 0 or Hq % Hkv != 0:
+            raise ValueError(f"grouped-query attention needs Hq ({Hq}) to be a multiple of Hkv ({Hkv})")
+    return B, Hq, Hkv, T, S, D
+
+
+def check_per_query(name: str, x: Tensor, B: int, Hq: int, T: int) -> None:
+    """Validate a per-query tensor x: (B, Hq, T), e.g. alpha."""
+    if not isinstance(x, Tensor) or tuple(x.shape) != (B, Hq, T):
+        got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"{name} must have shape (B, Hq, T) = {(B, Hq, T)}, got {got}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got dtype {x.dtype}")
+
+
+def check_per_head(name: str, x: Tensor, Hq: int) -> None:
+    """Validate a per-head tensor x: (Hq,), e.g. alpha_ma or sinks."""
+    if not isinstance(x, Tensor) or tuple(x.shape) != (Hq,):
+        got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"{name} must have shape (Hq,) = ({Hq},), one value per query head, got {got}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got dtype {x.dtype}")
+
+
+def check_scale(scale: float | None, D: int) -> float:
+    """Default scale 1/sqrt(D), as torch SDPA."""
+    if scale is None:
+        return D ** -0.5
+    if not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive number or None (1/sqrt(D)), got {scale!r}")
+    return float(scale)
+
+
+def check_bias_norm(bias_norm: str) -> None:
+    if bias_norm not in ("visible", "full"):
+        raise ValueError(
+            f"bias_norm must be 'visible' (N_i = keys query i may see; the default) or 'full' "
+            f"(N = key length, an ablation only), got {bias_norm!r}")
+
+

@@ -1,0 +1,88 @@
+"""Readable eager reference of every attention op: materialises the weights and returns them (tests, analysis).
+
+Deliberately independent of the fast paths (its own mask construction, no kernels), so that agreement between
+the two is evidence. Returns weights over keys: (B, Hq, T, S); for the sink, the sink's mass is 1 - their sum.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._validate import check_bias_norm, check_per_head, check_per_query, check_qkv, check_scale
+
+
+def visible_mask(attn_mask: Tensor | None, is_causal: bool, T: int, S: int, device) -> Tensor:
+    """(1|B, 1|Hq, T, S) bool: causal rule j <= i + (S - T) (bottom-right), combined with attn_mask."""
+    vis = torch.ones(T, S, dtype=torch.bool, device=device)
+    if is_causal:
+        vis = torch.tril(vis, diagonal=S - T)
+    vis = vis[None, None]
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool:
+            raise ValueError(f"attn_mask must be a boolean tensor (True = may attend), got dtype {attn_mask.dtype}")
+        vis = vis & attn_mask
+    return vis
+
+
+def attention_logits(q: Tensor, k: Tensor, *, scale: float | None = None, enable_gqa: bool = False) -> Tensor:
+    """q.k^T * scale: q (B, Hq, T, D), k (B, Hkv, S, D) -> (B, Hq, T, S); GQA repeats each KV head."""
+    Hq, Hkv = q.shape[1], k.shape[1]
+    if Hq != Hkv:
+        k = k.repeat_interleave(Hq // Hkv, dim=1)
+    return (q @ k.transpose(-1, -2)) * check_scale(scale, q.shape[-1])
+
+
+def _expand_v(v: Tensor, Hq: int) -> Tensor:
+    return v if v.shape[1] == Hq else v.repeat_interleave(Hq // v.shape[1], dim=1)
+
+
+def _softmax_rows(logits: Tensor, vis: Tensor, extra_logit: Tensor | None = None) -> Tensor:
+    """Softmax over visible keys (plus an optional extra logit per head: (Hq,)); rows with nothing visible -> 0."""
+    x = logits.masked_fill(~vis, float("-inf"))
+    if extra_logit is not None:
+        col = extra_logit.to(x.dtype)[None, :, None, None].expand(*x.shape[:-1], 1)
+        x = torch.cat([x, col], dim=-1)
+    m = x.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(x - m)
+    z = e.sum(-1, keepdim=True)
+    p = e / torch.where(z > 0, z, torch.ones_like(z))
+    return p[..., :-1] if extra_logit is not None else p
+
+
+def softmax_attention_reference(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """Plain softmax attention. q: (B, Hq, T, D), k, v: (B, Hkv, S, D) -> (out (B, Hq, T, D), w (B, Hq, T, S))."""
+    B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
+    vis = visible_mask(attn_mask, is_causal, T, S, q.device)
+    w = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa), vis)
+    return w @ _expand_v(v, Hq), w
+
+
+def sink_attention_reference(q, k, v, sinks, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """Sink attention; sinks: (Hq,). Returns (out (B, Hq, T, D), w (B, Hq, T, S)); sink mass = 1 - w.sum(-1)."""
+    B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
+    check_per_head("sinks", sinks, Hq)
+    vis = visible_mask(attn_mask, is_causal, T, S, q.device)
+    w = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa), vis, extra_logit=sinks)
+    return w @ _expand_v(v, Hq), w
+
+
+def affine_scaled_attention_reference(q, k, v, alpha, alpha_ma, *, attn_mask=None, is_causal=False, scale=None,
+                                      bias_norm="visible", enable_gqa=False):
+    """a_ij = alpha_i p_ij + (alpha_ma - alpha_i) / N_i on visible keys, 0 on masked keys.
+
+    alpha: (B, Hq, T), alpha_ma: (Hq,). N_i = visible keys of query i ("visible") or S ("full").
+    Returns (out (B, Hq, T, D), a (B, Hq, T, S)).
+    """
+    B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
+    check_per_query("alpha", alpha, B, Hq, T)
+    check_per_head("alpha_ma", alpha_ma, Hq)
+    check_bias_norm(bias_norm)
+    vis = visible_mask(attn_mask, is_causal, T, S, q.device)
+    p = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa), vis)
+    vis = vis.expand(B, Hq, T, S)
+    n = vis.sum(-1, keepdim=True).to(q.dtype) if bias_norm == "visible" else torch.full_like(p[..., :1], S)
+    a_ = alpha.to(q.dtype)[..., None]
+    beta = (alpha_ma.to(q.dtype)[None, :, None, None] - a_) / n.clamp(min=1)
+    w = torch.where(vis, a_ * p + beta, torch.zeros_like(p))
+    return w @ _expand_v(v, Hq), w

@@ -1,0 +1,42 @@
+"""Gated attention (Qiu et al. 2025): out * sigmoid(W_g x) before the output projection, elementwise or per head."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from .base import AttentionVariant
+
+
+@dataclass(frozen=True)
+class GatedOptions:
+    # elementwise: W_g hidden -> Hq*D (the paper's overheads); headwise: hidden -> Hq.
+    gate: Literal["elementwise", "headwise"] = "elementwise"
+
+
+class GateMixin:
+    """Adds `gate_proj` (no bias, zero init: every gate starts at sigmoid(0) = 0.5) and applies it in finish()."""
+
+    def _init_gate(self) -> None:
+        s = self.shape
+        width = s.num_heads * s.head_dim if self.options.gate == "elementwise" else s.num_heads
+        self.gate_proj = nn.Linear(s.hidden_size, width, bias=False)
+        nn.init.zeros_(self.gate_proj.weight)
+
+    def finish(self, out: Tensor, x: Tensor) -> Tensor:
+        """out: (B, Hq, T, D), x: (B, T, hidden) -> gated (B, Hq, T, D)."""
+        B, Hq, T, D = out.shape
+        g = torch.sigmoid(self.gate_proj(x))  # (B, T, Hq*D) or (B, T, Hq)
+        g = g.view(B, T, Hq, -1).transpose(1, 2)  # (B, Hq, T, D|1)
+        return super().finish(out * g.to(out.dtype), x)
+
+
+class GatedAttention(GateMixin, AttentionVariant):
+    name = "gated"
+    Options = GatedOptions
+
+    def __init__(self, shape, options=None):
+        super().__init__(shape, options)
+        self._init_gate()

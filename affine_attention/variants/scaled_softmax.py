@@ -1,0 +1,33 @@
+"""Control: softmax attention times a per-head output scale (constant or learnable), no input dependence."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .base import AttentionVariant
+
+
+@dataclass(frozen=True)
+class ScaledSoftmaxOptions:
+    scale: float = 0.5  # affine starts at alpha = 0.5 and the gate at sigmoid(0) = 0.5: the same output scale
+    learnable: bool = False  # one learnable scalar per head, initialised to `scale`
+
+
+class ScaledSoftmaxAttention(AttentionVariant):
+    name = "scaled_softmax"
+    Options = ScaledSoftmaxOptions
+    control = True
+
+    def __init__(self, shape, options=None):
+        super().__init__(shape, options)
+        init = torch.full((shape.num_heads,), self.options.scale)
+        if self.options.learnable:
+            self.output_scale = nn.Parameter(init)
+        else:
+            self.register_buffer("output_scale", init, persistent=False)
+
+    def finish(self, out: Tensor, x: Tensor) -> Tensor:
+        """out: (B, Hq, T, D) scaled per head."""
+        return out * self.output_scale.to(out.dtype)[None, :, None, None]

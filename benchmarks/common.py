@@ -1,0 +1,65 @@
+"""Benchmark helpers: interleaved paired timing (medians of ratios to a baseline) and CPU/GPU peak memory."""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_once(fn: Callable[[], object], device: torch.device, inner: int = 1) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / inner
+
+
+def paired_ratios(methods: dict[str, Callable[[], object]], baseline: str, device: torch.device, repeats: int,
+                  warmup: int = 1, inner: int = 1, seed: int = 0) -> dict[str, dict[str, float]]:
+    """Run every method once per repeat in a shuffled order; return per method the median time and the median
+    of its per-repeat ratio to the baseline. Pairing within a repeat cancels this noisy machine's slow phases."""
+    rng = random.Random(seed)
+    for fn in methods.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(repeats):
+        order = list(methods)
+        rng.shuffle(order)
+        for name in order:
+            times[name].append(time_once(methods[name], device, inner))
+    base = times[baseline]
+    return {name: {"median_s": statistics.median(ts),
+                   "ratio": statistics.median(t / b for t, b in zip(ts, base))}
+            for name, ts in times.items()}
+
+
+def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes allocated while fn runs, above what was allocated before it (CPU via the profiler's memory
+    events, CUDA via the allocator's statistics)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.events() if e.cpu_memory_usage), key=lambda e: e.time_range.start)
+    current = peak = 0
+    for e in events:
+        current += e.cpu_memory_usage
+        peak = max(peak, current)
+    return peak
