@@ -77,7 +77,17 @@ def test_scaled_softmax_with_scale_one_is_softmax_exactly():
     a = build_variant("scaled_softmax", SHAPE, scale=1.0).double()(q, k, v, x, is_causal=True)
     b = build_variant("softmax", SHAPE).double()(q, k, v, x, is_causal=True)
     assert torch.equal(a, b)
-    assert is_control("scaled_softmax") and not is_control("affine")
+    assert is_control("scaled_softmax") and is_control("affine_frozen") and not is_control("affine")
+
+
+def test_affine_frozen_has_no_alpha_projection_and_alpha_ma_converges_to_the_constant():
+    m = build_variant("affine_frozen", SHAPE).double().train()
+    assert not hasattr(m, "alpha_proj") and m.options.frozen_alpha == 0.5
+    q, k, v = make_qkv(1, 4, 2, 5, 5, 8, requires_grad=False)
+    x = torch.randn(1, 5, 24, dtype=torch.float64)
+    for _ in range(200):
+        m(q, k, v, x, is_causal=True)
+    torch.testing.assert_close(m.alpha_ma, torch.full((4,), 0.5, dtype=torch.float64), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("name, options, match", [
@@ -89,6 +99,8 @@ def test_scaled_softmax_with_scale_one_is_softmax_exactly():
     ("gated", {"gate": "channel"}, r"gate' must be one of"),
     ("sink", {"init": "zero"}, r"init' must be a number"),
     ("softmax", {"anything": 1}, r"valid options: none"),
+    ("affine_frozen", {"frozen_alpha": None}, r"must be a number in \[0, 1\]"),
+    ("affine", {"frozen_alpha": 1.5}, r"frozen_alpha' must lie in \[0, 1\]"),
 ])
 def test_bad_variant_or_options_raise(name, options, match):
     with pytest.raises(ValueError, match=match):

@@ -5,6 +5,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .affine import AffineAttention, AffineGatedAttention, AffineOptions, linear_clip
+from .affine_frozen import AffineFrozenAttention
 from .base import AttentionShape, AttentionVariant
 from .gated import GatedAttention, GatedOptions
 from .options import options_from_dict, options_to_dict
@@ -14,7 +15,7 @@ from .softmax import SoftmaxAttention
 
 REGISTRY: dict[str, type[AttentionVariant]] = {
     cls.name: cls for cls in (SoftmaxAttention, OffByOneAttention, SinkAttention, GatedAttention, AffineAttention,
-                              AffineGatedAttention, ScaledSoftmaxAttention)
+                              AffineGatedAttention, ScaledSoftmaxAttention, AffineFrozenAttention)
 }
 
 
@@ -44,7 +45,7 @@ def is_control(name: str) -> bool:
 
 
 __all__ = [
-    "REGISTRY", "AttentionShape", "AttentionVariant", "AffineAttention", "AffineGatedAttention", "AffineOptions",
+    "REGISTRY", "AffineFrozenAttention", "AttentionShape", "AttentionVariant", "AffineAttention", "AffineGatedAttention", "AffineOptions",
     "GatedAttention", "GatedOptions", "OffByOneAttention", "ScaledSoftmaxAttention", "SinkAttention", "SinkOptions",
     "SoftmaxAttention", "build_variant", "get_variant", "is_control", "linear_clip", "options_to_dict",
     "parse_options", "variant_names",
