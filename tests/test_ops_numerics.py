@@ -130,3 +130,24 @@ def test_precomputed_v_mean_equals_internal_mean():
     a = affine_scaled_attention(q, k, v, alpha, alpha_ma, is_causal=True, enable_gqa=True)
     b = affine_scaled_attention(q, k, v, alpha, alpha_ma, is_causal=True, enable_gqa=True, v_mean=v_mean)
     torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["affine", "sink"])
+def test_low_precision_gradients_close_to_float64(dtype, name):
+    B, Hq, Hkv, T = 1, 4, 2, 200
+    q, k, v = make_qkv(B, Hq, Hkv, T, T, 32)
+    extra = _extra(name, B, Hq, T)
+    kw = dict(attn_mask=_mask("key_left", B, T, T), is_causal=True, enable_gqa=True)
+    _, ref = _call(name, q, k, v, extra, kw)
+    g = torch.randn_like(ref)
+    inputs = [q, k, v] + [x for x in extra if x.requires_grad]
+    grads64 = torch.autograd.grad(ref, inputs, g)
+    lo = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+    lo_extra = tuple(x.detach().float().requires_grad_(x.requires_grad) for x in extra)  # params stay fp32
+    fast, _ = _call(name, *lo, lo_extra, kw)
+    grads = torch.autograd.grad(fast, lo + [x for x in lo_extra if x.requires_grad], g.to(dtype))
+    tol = 0.03 if dtype == torch.bfloat16 else 0.005
+    for a, b in [(fast, ref)] + list(zip(grads, grads64)):
+        assert torch.isfinite(a).all()
+        assert (a.double() - b).abs().max() <= tol * b.abs().max()
