@@ -1,0 +1,107 @@
+"""`affine-attention eval`: zero-shot tasks and/or perplexity for a local transformers model directory."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _limit(text: str) -> int | float:
+    # lm-eval's meaning: an integer is a document count, a fraction below 1 a share of each task.
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value <= 0 or (value >= 1 and not value.is_integer()):
+        raise argparse.ArgumentTypeError("expected a positive integer count or a fraction below 1")
+    return int(value) if value >= 1 else value
+
+
+def add_commands(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "eval",
+        help="zero-shot tasks (lm-evaluation-harness) and perplexity for a local model",
+        description=(
+            "Evaluate a local transformers causal LM directory (converted affine/sink/... checkpoints "
+            "included) with lm-evaluation-harness and/or token-level perplexity. Offline, use "
+            "--tasks fixtures: lm-eval's real task definitions on small hand-written fixture files "
+            "(a pipeline check, not a benchmark)."
+        ),
+    )
+    parser.add_argument("--model", required=True, help="local model directory (config.json + weights)")
+    parser.add_argument("--tokenizer", help="local tokenizer directory (default: the model directory)")
+    parser.add_argument(
+        "--tasks",
+        help="comma-separated lm-eval task names; 'fixtures' = all offline fixture tasks, "
+        "'paper' = winogrande,piqa,hellaswag,arc_challenge,arc_easy,boolq (need the Hub or a datasets cache)",
+    )
+    parser.add_argument(
+        "--include-path", action="append", default=None, metavar="DIR",
+        help="folder of your own task YAMLs (repeatable)",
+    )
+    parser.add_argument("--ppl", metavar="FILE", help="token-level perplexity on a .txt or .jsonl ('text' field) file")
+    parser.add_argument("--seq-len", type=int, default=1024, help="perplexity window length (default 1024)")
+    parser.add_argument("--stride", type=int, help="perplexity sliding-window step (default: --seq-len, no overlap)")
+    parser.add_argument("--limit", type=_limit, help="at most N documents per task (testing only)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: where the model loads)")
+    parser.add_argument(
+        "--offline",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="forbid dataset downloads (default: follow HF_DATASETS_OFFLINE / HF_HUB_OFFLINE)",
+    )
+    parser.add_argument("--out", metavar="DIR", help="write results.json and results.md here")
+    parser.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from pathlib import Path
+
+    if not args.tasks and not args.ppl:
+        raise ValueError("nothing to do: give --tasks (e.g. --tasks fixtures) and/or --ppl FILE")
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"{args.model!r} is not a local model directory (no config.json)")
+    tokenizer_dir = Path(args.tokenizer) if args.tokenizer else model_dir
+    if not tokenizer_dir.is_dir():
+        raise ValueError(f"tokenizer directory {str(tokenizer_dir)!r} does not exist")
+    if args.ppl and not Path(args.ppl).is_file():
+        raise ValueError(f"--ppl file {args.ppl!r} does not exist")
+
+    # Heavy imports here, not at module level: the command line imports every area's cli module.
+    import affine_attention  # noqa: F401  registers the variant classes so converted checkpoints load
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .harness import evaluate, expand_tasks, format_table, write_results
+    from .perplexity import perplexity
+
+    tasks = expand_tasks(args.tasks) if args.tasks else []  # validate before the slow model load
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
+    if args.device:
+        model.to(args.device)
+
+    if tasks:
+        results = evaluate(
+            model,
+            tokenizer,
+            tasks,
+            offline=args.offline,
+            batch_size=args.batch_size,
+            limit=args.limit,
+            include_path=args.include_path,
+        )
+    else:
+        results = {"tasks": {}, "config": {}}
+    results["config"]["model"] = str(model_dir)
+    if args.ppl:
+        ppl = perplexity(
+            model, tokenizer, args.ppl, seq_len=args.seq_len, stride=args.stride, batch_size=args.batch_size
+        )
+        results["perplexity"] = {"source": str(args.ppl), **ppl}
+
+    print(format_table(results), end="")
+    if args.out:
+        json_path, md_path = write_results(results, args.out)
+        print(f"wrote {json_path} and {md_path}")
+    return 0

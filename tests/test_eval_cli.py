@@ -1,0 +1,111 @@
+"""`affine-attention eval`: argument handling and an offline end-to-end run on a saved tiny model."""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from affine_attention.eval import cli
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="affine-attention")
+    cli.add_commands(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+def make_tokenizer():
+    """The project's packaged tokenizer when present; otherwise a small byte-level BPE built here."""
+    import affine_attention
+
+    packaged = Path(affine_attention.__file__).parent / "data" / "tokenizer" / "tokenizer.json"
+    if packaged.is_file():
+        from affine_attention.train.corpus import default_tokenizer
+
+        return default_tokenizer()
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["The cat sat on the mat.", "A dog ran in the park."] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = make_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=len(tok), max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_eval_end_to_end(model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    texts = tmp_path / "heldout.jsonl"
+    lines = (json.dumps({"text": f"Line {i}: the quick brown fox jumps over the lazy dog."}) for i in range(8))
+    texts.write_text("".join(line + "\n" for line in lines))
+    out = tmp_path / "results"
+    args = parse(["eval", "--model", str(model_dir), "--tasks", "fixture_piqa,fixture_c4", "--limit", "4",
+                  "--ppl", str(texts), "--seq-len", "64", "--stride", "32", "--batch-size", "4", "--out", str(out)])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["tasks"]) == {"fixture_piqa", "fixture_c4"}
+    assert results["tasks"]["fixture_piqa"]["samples"] == 4 and 0 <= results["tasks"]["fixture_piqa"]["acc"] <= 1
+    assert results["perplexity"]["source"] == str(texts) and results["perplexity"]["stride"] == 32
+    assert results["perplexity"]["ppl"] > 1 and results["config"]["model"] == str(model_dir)
+    assert (out / "results.md").read_text() in printed and "fixture_piqa" in printed
+
+
+def test_eval_ppl_only(model_dir, tmp_path, capsys):
+    text = tmp_path / "doc.txt"
+    text.write_text("It was a bright cold day, and the clocks were striking the hour. " * 20)
+    args = parse(["eval", "--model", str(model_dir), "--ppl", str(text), "--seq-len", "128"])
+    assert args.func(args) == 0
+    assert "| perplexity source |" in capsys.readouterr().out
+
+
+def test_argument_errors(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="nothing to do"):
+        args = parse(["eval", "--model", str(model_dir)])
+        args.func(args)
+    with pytest.raises(ValueError, match="not a local model directory"):
+        args = parse(["eval", "--model", str(tmp_path), "--tasks", "fixtures"])
+        args.func(args)
+    with pytest.raises(ValueError, match="does not exist"):
+        args = parse(["eval", "--model", str(model_dir), "--ppl", str(tmp_path / "missing.txt")])
+        args.func(args)
+    assert parse(["eval", "--model", "m", "--tasks", "x", "--limit", "0.5"]).limit == 0.5
+    assert parse(["eval", "--model", "m", "--tasks", "x", "--limit", "3"]).limit == 3
+    for bad in ("1.5", "0", "-2", "many"):
+        with pytest.raises(SystemExit):
+            parse(["eval", "--model", "m", "--tasks", "x", "--limit", bad])
+
+
+def test_cli_module_imports_cheaply():
+    code = (
+        "import sys, affine_attention.eval.cli;"
+        "heavy = [m for m in ('lm_eval', 'datasets') if m in sys.modules];"
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
