@@ -1,1 +1,20 @@
 """Affine-Scaled Attention for PyTorch and Hugging Face transformers."""
+from __future__ import annotations
+
+
+def __getattr__(name: str):
+    # Lazy, so `import affine_attention` never imports transformers itself.
+    if name == "convert":
+        from .hf.convert import convert
+
+        return convert
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _install_transformers_registration() -> None:
+    from .hf._autoload import install
+
+    install()
+
+
+_install_transformers_registration()

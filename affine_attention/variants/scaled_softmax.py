@@ -22,12 +22,11 @@ class ScaledSoftmaxAttention(AttentionVariant):
 
     def __init__(self, shape, options=None):
         super().__init__(shape, options)
-        init = torch.full((shape.num_heads,), self.options.scale)
         if self.options.learnable:
-            self.output_scale = nn.Parameter(init)
-        else:
-            self.register_buffer("output_scale", init, persistent=False)
+            self.output_scale = nn.Parameter(torch.full((shape.num_heads,), self.options.scale))
 
     def finish(self, out: Tensor, x: Tensor) -> Tensor:
-        """out: (B, Hq, T, D) scaled per head."""
+        """out: (B, Hq, T, D) scaled per head (a plain float when constant: no buffer to lose on meta init)."""
+        if not self.options.learnable:
+            return out * self.options.scale
         return out * self.output_scale.to(out.dtype)[None, :, None, None]

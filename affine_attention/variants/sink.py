@@ -27,21 +27,26 @@ class SinkAttention(AttentionVariant):
         return self.sinks
 
     def attend(self, q, k, v, x, *, attn_mask, is_causal, scale, token_mask, v_mean):
-        return sink_attention(q, k, v, self._sink_logits(), attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+        return sink_attention(q, k, v, self._sink_logits().to(q.device), attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                               enable_gqa=self._gqa)
 
     def attend_reference(self, q, k, v, x, *, attn_mask, is_causal, scale):
-        out, w = sink_attention_reference(q, k, v, self._sink_logits().to(q.dtype), attn_mask=attn_mask,
+        out, w = sink_attention_reference(q, k, v, self._sink_logits().to(q.device, q.dtype), attn_mask=attn_mask,
                                           is_causal=is_causal, scale=scale, enable_gqa=self._gqa)
         return out, w, {"sink_mass": 1.0 - w.sum(-1)}
 
 
 class OffByOneAttention(SinkAttention):
-    """Softmax with +1 in the denominator: a sink whose logit is fixed at 0 (a buffer, not a parameter)."""
+    """Softmax with +1 in the denominator: a sink whose logit is fixed at 0.
+
+    The zeros are made per call rather than held in a buffer: a non-persistent buffer would come back
+    uninitialised whenever a model is materialised from the meta device (from_pretrained, FSDP, to_empty)."""
 
     name = "off_by_one"
     Options = AttentionVariant.Options
 
     def __init__(self, shape, options=None):
         AttentionVariant.__init__(self, shape, options)
-        self.register_buffer("sinks", torch.zeros(shape.num_heads), persistent=False)
+
+    def _sink_logits(self):
+        return torch.zeros(self.shape.num_heads)

@@ -1,0 +1,153 @@
+"""The transformers seam: an attention function and a mask function registered under one implementation name.
+
+Converted models set `config._attn_implementation = ATTN_IMPLEMENTATION`; their attention layers then call
+`attention_forward`, which hands (q, k, v, x, mask) to the layer's `attn_variant` module. The mask function keeps
+masks structured (None, or a (B, 1, 1, S) key mask, both meaning "causal + padding") so the variants keep their
+fast paths; only sliding windows, packed sequences, static caches and custom patterns become dense masks.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ._autoload import uninstall as _uninstall_import_hook
+
+_uninstall_import_hook()  # the import of hf.models at the bottom registers; transformers must not re-enter it
+from transformers import AttentionInterface  # noqa: E402
+from transformers.masking_utils import (  # noqa: E402
+    AttentionMaskInterface,
+    causal_mask_function,
+    prepare_padding_mask,
+    sdpa_mask,
+)
+from transformers.utils import is_tracing  # noqa: E402
+
+from . import cache as value_cache  # noqa: E402
+
+ATTN_IMPLEMENTATION = "affine_attention"
+# Keyword arguments the attention module's pre-hook adds; transformers forwards them to `attention_forward`.
+X_KWARG = "affine_attention_x"
+CACHE_KWARG = "affine_attention_cache"
+
+
+def capture_attention_input(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+    """Forward pre-hook (with_kwargs=True) on a converted attention module.
+
+    The attention function only receives q, k, v and the mask, but alpha and gates need x: (B, T, hidden), the
+    layer's input. Passing it on as a keyword (rather than stashing it on the module) keeps this correct when
+    activation checkpointing re-runs the layer and traceable by torch.compile. It also passes the cache object
+    and tells the running value sum whether the cache is still the one it summed (before `cache.update`).
+    """
+    x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    kwargs = dict(kwargs)
+    kwargs[X_KWARG] = x
+    kwargs[CACHE_KWARG] = cache
+    if cache is not None:
+        value_cache.before_update(cache, module.layer_idx)
+    return args, kwargs
+
+
+def _variant_mask(mask: Tensor | None, B: int, T: int, S: int, training: bool):
+    """HF mask -> (attn_mask for the variant, is_causal, token_mask (B, T) or None).
+
+    None: plain causal. (B|1, 1, 1, S): key padding mask under the causal rule, as `structured_mask` emits it (a
+    user-supplied 4D mask of this shape is read the same way; for T == 1 both readings coincide).
+    (B|1, 1, T, S) with T > 1: a dense mask, used as given without adding the causal rule (as SDPA does).
+    token_mask, for the alpha_ma statistic, is only computed in training.
+    """
+    if mask is None:
+        return None, True, None
+    if not isinstance(mask, Tensor) or mask.dim() != 4:
+        raise ValueError(f"affine_attention expects a 4D boolean attention mask (B, 1, T, S) or None, got "
+                         f"{type(mask).__name__} of shape {tuple(getattr(mask, 'shape', ()))}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"affine_attention expects a boolean 4D mask (True = may attend), got dtype {mask.dtype}; "
+                         "pass a 2D padding mask or a boolean 4D mask")
+    if mask.shape[-2] == 1 and mask.shape[1] == 1:
+        token_mask = mask[:, 0, 0, S - T:].expand(B, T) if training and S >= T else None
+        return mask, True, token_mask
+    token_mask = None
+    if training and mask.shape[1] == 1 and mask.shape[-2] == T and S >= T:
+        # A real query sees its own key (under padding masks only padded keys are hidden), so the diagonal
+        # (bottom-right aligned) marks the real tokens for the alpha_ma statistic.
+        idx = torch.arange(T, device=mask.device)
+        token_mask = mask[:, 0, idx, idx + (S - T)].expand(B, T)
+    return mask, False, token_mask
+
+
+def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
+                      **kwargs) -> tuple[Tensor, None]:
+    """transformers attention interface: query (B, Hq, T, D), key/value (B, Hkv, S, D) -> ((B, T, Hq, D), None)."""
+    variant = getattr(module, "attn_variant", None)
+    if variant is None:
+        hint = ("this looks like a converted checkpoint loaded through its original class; load it with "
+                "`AutoModelForCausalLM.from_pretrained` after `import affine_attention`"
+                if getattr(getattr(module, "config", None), "affine_attention", None) else
+                "convert models with `affine_attention.convert(model, variant)` instead of setting it by hand")
+        raise ValueError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) has no attention "
+                         f"variant, so the '{ATTN_IMPLEMENTATION}' attention implementation cannot run it: {hint}")
+    x = kwargs.get(X_KWARG)
+    if x is None:
+        raise ValueError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) was called without its input "
+            "hidden states: the forward pre-hook added by `affine_attention.convert` is missing (were the module's "
+            "hooks removed, or was `forward` called directly instead of the module?)")
+    if dropout:
+        raise ValueError(f"attention dropout ({dropout}) is not supported by affine_attention variants; set "
+                         "`config.attention_dropout = 0.0`")
+    T, S = query.shape[-2], key.shape[-2]
+    mask, is_causal, token_mask = _variant_mask(attention_mask, query.shape[0], T, S, variant.training)
+    v_mean = None
+    cache = kwargs.get(CACHE_KWARG)
+    if cache is not None and variant.uses_value_mean and sliding_window is None and is_causal:
+        keys = None if mask is None else mask[:, 0, 0, :]  # (B|1, S)
+        v_mean = value_cache.value_mean(cache, module.layer_idx, value, keys, T,
+                                        getattr(variant.options, "bias_norm", "visible"))
+    out = variant(query, key, value, x, attn_mask=mask, is_causal=is_causal, scale=scaling, token_mask=token_mask,
+                  v_mean=v_mean)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int | Tensor = 0,
+                  kv_offset: int | Tensor = 0, mask_function=causal_mask_function, attention_mask: Tensor | None = None,
+                  local_size: int | None = None, allow_is_causal_skip: bool = True, **kwargs) -> Tensor | None:
+    """The mask function registered with transformers. Returns None (plain causal), a (B, 1, 1, S) bool key mask
+    (causal + padding) or a dense (B, 1, T, S) bool mask.
+
+    The structured forms need the last query aligned with the last key (q_offset + T == kv_offset + S, true for
+    dynamic caches and training) and a plain causal pattern: transformers signals pattern changes (packing, extra
+    mask functions) with allow_is_causal_skip=False, as its own SDPA skip logic relies on. A sliding window
+    counts as plain when it hides nothing (every key lies inside the last query's window).
+    """
+    aligned = (isinstance(q_offset, int) and isinstance(kv_offset, int)
+               and q_offset + q_length == kv_offset + kv_length)
+    plain = allow_is_causal_skip and aligned and (
+        (local_size is None and mask_function is causal_mask_function)
+        or (local_size is not None and kv_length <= local_size))
+    if not plain:
+        kwargs.pop("allow_is_bidirectional_skip", None)
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                         local_size=local_size, allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
+                         **kwargs)
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if padding is None:
+        return None
+    padding = padding[:, kv_offset:kv_offset + kv_length].to(torch.bool)  # (B, S)
+    if not is_tracing(padding) and bool(padding.all()):
+        return None  # reading values breaks a compiled graph, so traced code keeps the (equivalent) key mask
+    return padding[:, None, None, :]
+
+
+def register() -> None:
+    """Register the attention and mask functions with transformers (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, structured_mask)
+
+
+# Whatever module of this package imported transformers first, the converted model types get registered.
+from . import models  # noqa: E402,F401

@@ -1,0 +1,46 @@
+"""`affine-attention params`: the parameter overhead of every variant on the presets (cheap to import)."""
+from __future__ import annotations
+
+import argparse
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 50_000 else f"{n:,}"
+
+
+def overhead_table(presets: list[str], variants: list[str]) -> str:
+    """Markdown table: one row per preset, its base size and each variant's added parameters."""
+    from .presets import parameter_overheads
+
+    lines = ["| preset | base params | " + " | ".join(variants) + " |",
+             "|---|---:|" + "---:|" * len(variants)]
+    for preset in presets:
+        base, extra = parameter_overheads(preset, variants)
+        lines.append(f"| {preset} | {base / 1e6:,.1f}M | " + " | ".join(_millions(extra[v]) for v in variants) + " |")
+    return "\n".join(lines)
+
+
+def _params(args: argparse.Namespace) -> int:
+    from ..variants import variant_names
+    from .presets import PAPER_PRESETS, PRESETS
+
+    presets = args.preset or list(PAPER_PRESETS)
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown:
+        raise ValueError(f"unknown preset(s) {unknown}; choose from {sorted(PRESETS)}")
+    variants = args.variant or variant_names()
+    bad = [v for v in variants if v not in variant_names()]
+    if bad:
+        raise ValueError(f"unknown variant(s) {bad}; choose from {variant_names()}")
+    print(overhead_table(presets, variants))
+    return 0
+
+
+def add_commands(subparsers) -> None:
+    p = subparsers.add_parser("params", help="parameters each attention variant adds to a model preset",
+                              description="Print a markdown table of the trainable parameters each variant adds "
+                                          "(built on the meta device, no download).")
+    p.add_argument("--preset", action="append", metavar="P",
+                   help="preset name (repeatable; default: the paper's qwen1.5-0.5b, llama-3.2-1b, llama-3.2-3b)")
+    p.add_argument("--variant", action="append", metavar="V", help="variant name (repeatable; default: all)")
+    p.set_defaults(func=_params)

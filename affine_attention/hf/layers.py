@@ -1,0 +1,68 @@
+"""Attention variants on the layers of a transformers causal LM: the config record, attaching one variant module
+and the input-capturing pre-hook to every attention layer."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from ..variants import AttentionShape, build_variant, options_to_dict, parse_options, variant_names
+from .attention import capture_attention_input
+
+CONFIG_KEY = "affine_attention"  # config.affine_attention = {"variant": name, "options": {...}}
+VARIANT_ATTR = "attn_variant"  # new parameters are named ...self_attn.attn_variant.<name>
+_HOOK_ATTR = "_affine_attention_hook"
+
+
+def make_spec(variant: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Validated, JSON-ready record of a variant and its options (all defaults filled in)."""
+    if not isinstance(variant, str):
+        raise ValueError(f"variant must be a name (one of {variant_names()}), got {variant!r}")
+    opts = parse_options(variant, options)  # unknown variant / option -> ValueError
+    return {"variant": variant, "options": options_to_dict(opts)}
+
+
+def spec_from_config(config) -> dict[str, Any]:
+    """The variant record stored in a model config; ValueError if it is missing or malformed."""
+    spec = getattr(config, CONFIG_KEY, None)
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("variant"), str):
+        raise ValueError(
+            f"config.{CONFIG_KEY} must be a dict {{'variant': name, 'options': {{...}}}} naming one of "
+            f"{variant_names()}, got {spec!r}; build converted models with `affine_attention.convert(model, variant)`")
+    options = spec.get("options") or {}
+    if not isinstance(options, Mapping):
+        raise ValueError(f"config.{CONFIG_KEY}['options'] must be a dict, got {options!r}")
+    return make_spec(spec["variant"], options)
+
+
+def attention_layers(model: nn.Module) -> list[nn.Module]:
+    """The self-attention module of every decoder layer (model.model.layers[i].self_attn)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no `model.layers`: pass the *ForCausalLM model")
+    return [layer.self_attn for layer in layers]
+
+
+def attach_variants(model: nn.Module, spec: Mapping[str, Any]) -> None:
+    """Give every attention layer an `attn_variant` module and the pre-hook that captures its input x."""
+    config = model.config
+    for attn in attention_layers(model):
+        if hasattr(attn, VARIANT_ATTR):
+            raise ValueError(f"layer {attn.layer_idx} already has an attention variant "
+                             f"({getattr(attn, VARIANT_ATTR).name!r}); convert an unconverted model")
+        head_dim = getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = AttentionShape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim)
+        variant = build_variant(spec["variant"], shape, **spec["options"])
+        ref = attn.q_proj.weight
+        # New parameters follow the layer's device and dtype (meta while transformers builds the model to load).
+        variant.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
+        variant.train(attn.training)  # an eval-mode model must not start updating alpha_ma
+        attn.add_module(VARIANT_ATTR, variant)
+        setattr(attn, _HOOK_ATTR, attn.register_forward_pre_hook(capture_attention_input, with_kwargs=True))
+
+
+def variant_spec(model: nn.Module) -> dict[str, Any] | None:
+    """The {"variant", "options"} record of a converted model, or None for an unconverted one."""
+    spec = getattr(getattr(model, "config", None), CONFIG_KEY, None)
+    return dict(spec) if spec is not None else None

@@ -1,0 +1,199 @@
+"""Config and model classes of converted checkpoints (model types `affine_llama`, `affine_qwen2`, `affine_qwen3`,
+`affine_mistral`), registered with AutoConfig / AutoModelForCausalLM.
+
+Each is a subclass of the transformers class that adds no modeling code: the model's `__init__` builds the
+original architecture and attaches the variants recorded in `config.affine_attention` before transformers loads
+the weights. The distinct model type is what makes a converted checkpoint fail loudly, never load as softmax,
+where this package is not imported. Checkpoints also carry a small `auto_map` loader file (the Hub path), so
+`trust_remote_code=True` loads them wherever `affine-attention` is installed.
+"""
+from __future__ import annotations
+
+import os
+
+from safetensors import SafetensorError
+
+from ._autoload import uninstall as _uninstall_import_hook
+
+_uninstall_import_hook()  # this module registers itself below; importing transformers must not re-enter it
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from . import attention, layers  # noqa: E402  (siblings used at call time: they may still be initialising here)
+
+HUB_LOADER_FILE = "affine_attention_loader.py"
+
+
+class AffineConfigMixin:
+    """Marks a converted config; `config.affine_attention` holds {"variant": name, "options": {...}}."""
+
+    def to_dict(self):
+        # Saved so that loading through the original class (e.g. LlamaForCausalLM.from_pretrained) fails too:
+        # without this package the implementation is unknown, with it the attention refuses unconverted layers.
+        out = super().to_dict()
+        out["attn_implementation"] = attention.ATTN_IMPLEMENTATION
+        return out
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoConfig"):
+        # These classes write their own `auto_map` loader: transformers' copy of this module would not import.
+        return None
+
+
+class AffineModelMixin:
+    """What a converted causal LM adds to its transformers class: variants built from the config in `__init__`
+    (so weights load into them), checks after loading, the fixed attention implementation and the Hub loader."""
+
+    def __init__(self, config, *args, **kwargs):
+        spec = layers.spec_from_config(config)
+        requested = config._attn_implementation
+        if requested not in (None, attention.ATTN_IMPLEMENTATION):
+            raise ValueError(f"a model converted to the {spec['variant']!r} attention variant runs with "
+                             f"attn_implementation='{attention.ATTN_IMPLEMENTATION}', got {requested!r}; "
+                             "leave `attn_implementation` unset")
+        config._attn_implementation = attention.ATTN_IMPLEMENTATION
+        super().__init__(config, *args, **kwargs)
+        layers.attach_variants(self, spec)
+
+    def set_attn_implementation(self, attn_implementation, *args, **kwargs):
+        if attn_implementation != attention.ATTN_IMPLEMENTATION:
+            raise ValueError(
+                f"this model runs the {self.config.affine_attention['variant']!r} attention variant, which only the "
+                f"'{attention.ATTN_IMPLEMENTATION}' implementation computes; got {attn_implementation!r}")
+        return super().set_attn_implementation(attn_implementation, *args, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' loader, then a check it does not make: every variant weight must come from the
+        checkpoint (a missing one would run with an arbitrary value)."""
+        want_info = kwargs.pop("output_loading_info", False)
+        try:
+            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        except SafetensorError as err:
+            where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+            raise ValueError(f"cannot read the weights of the checkpoint at {where}: {err}. A safetensors file there "
+                             "is truncated or corrupted; save or download it again") from err
+        missing = [k for k in info.get("missing_keys", ()) if f".{layers.VARIANT_ATTR}." in k]
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} weight(s) of its attention variant "
+                             f"({model.config.affine_attention['variant']!r}), e.g. {sorted(missing)[:3]}; it is "
+                             "incomplete or was not saved from a converted model")
+        return (model, info) if want_info else model
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModel"):
+        return None  # see AffineConfigMixin.register_for_auto_class
+
+    @classmethod
+    def hub_auto_map(cls) -> dict[str, str]:
+        module = HUB_LOADER_FILE[:-3]
+        return {"AutoConfig": f"{module}.{cls.config_class.__name__}",
+                "AutoModelForCausalLM": f"{module}.{cls.__name__}"}
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        self.config.auto_map = self.hub_auto_map()
+        if kwargs.get("is_main_process", True) and not os.path.isfile(save_directory):
+            # Written first so that `push_to_hub=True`, which uploads from inside save_pretrained, includes it.
+            os.makedirs(save_directory, exist_ok=True)
+            write_hub_loader(save_directory)
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+def write_hub_loader(directory: str | os.PathLike) -> str:
+    """Write the loader that `auto_map` points to; transformers imports it only under trust_remote_code=True."""
+    names = ", ".join(f"{c.__name__}, {m.__name__}" for c, m in _CLASSES.values())
+    text = (
+        '"""Loader of an Affine-Scaled Attention checkpoint, written by affine_attention.\n\n'
+        "Load it with `import affine_attention` then `AutoModelForCausalLM.from_pretrained(path)`, or with\n"
+        "`trust_remote_code=True`, which imports this file. Both need `pip install affine-attention`.\n"
+        '"""\n'
+        f"from affine_attention.hf.models import {names}  # noqa: F401\n"
+    )
+    path = os.path.join(directory, HUB_LOADER_FILE)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
+class AffineLlamaConfig(AffineConfigMixin, LlamaConfig):
+    model_type = "affine_llama"
+
+
+class AffineQwen2Config(AffineConfigMixin, Qwen2Config):
+    model_type = "affine_qwen2"
+
+
+class AffineQwen3Config(AffineConfigMixin, Qwen3Config):
+    model_type = "affine_qwen3"
+
+
+class AffineMistralConfig(AffineConfigMixin, MistralConfig):
+    model_type = "affine_mistral"
+
+
+class AffineLlamaForCausalLM(AffineModelMixin, LlamaForCausalLM):
+    config_class = AffineLlamaConfig
+
+
+class AffineQwen2ForCausalLM(AffineModelMixin, Qwen2ForCausalLM):
+    config_class = AffineQwen2Config
+
+
+class AffineQwen3ForCausalLM(AffineModelMixin, Qwen3ForCausalLM):
+    config_class = AffineQwen3Config
+
+
+class AffineMistralForCausalLM(AffineModelMixin, MistralForCausalLM):
+    config_class = AffineMistralConfig
+
+
+# family -> the transformers class convert() accepts, and the (config, model) classes it turns it into
+_ORIGINALS = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
+              "mistral": MistralForCausalLM}
+_CLASSES = {"llama": (AffineLlamaConfig, AffineLlamaForCausalLM), "qwen2": (AffineQwen2Config, AffineQwen2ForCausalLM),
+            "qwen3": (AffineQwen3Config, AffineQwen3ForCausalLM),
+            "mistral": (AffineMistralConfig, AffineMistralForCausalLM)}
+
+
+def supported_families() -> list[str]:
+    return list(_ORIGINALS)
+
+
+def family_of(model) -> str:
+    """The family of an unconverted supported causal LM; ValueError for anything else (incl. converted models)."""
+    if isinstance(model, AffineModelMixin) or getattr(getattr(model, "config", None), layers.CONFIG_KEY, None):
+        spec = getattr(model.config, layers.CONFIG_KEY, None) or {}
+        raise ValueError(f"this model is already converted (variant {spec.get('variant')!r}); converting twice "
+                         "would stack variants: convert the original model instead")
+    for family, cls in _ORIGINALS.items():
+        if type(model) is cls:
+            return family
+    names = ", ".join(c.__name__ for c in _ORIGINALS.values())
+    raise ValueError(f"cannot convert {type(model).__name__}: supported models are {names} (the causal LM classes "
+                     "themselves, as built by AutoModelForCausalLM)")
+
+
+def affine_classes(family: str):
+    """(config class, model class) of converted checkpoints of `family`."""
+    return _CLASSES[family]
+
+
+def register() -> None:
+    """Register the attention seam and the converted model types with transformers (idempotent)."""
+    attention.register()
+    for config_cls, model_cls in _CLASSES.values():
+        AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
+        AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+
+
+register()

@@ -1,0 +1,132 @@
+"""Per-token latency of cached greedy decoding for every attention variant, as a ratio to softmax, at cache lengths
+256..8192 on a small model; variants interleaved in a shuffled order per repeat, medians of paired ratios.
+
+    python benchmarks/bench_decode.py [--quick] [--preset small-llama] [--lengths 256 1024] [--repeats 15]
+
+The cache is filled with random keys/values of the requested length (decode cost does not depend on their
+content), so no long prefill is timed or needed. Before each timed run the cache is cropped back to that length
+and one untimed step resynchronises the affine running value sum (a crop invalidates it, by design), then `steps`
+greedy tokens are timed. "hf-sdpa" is the unconverted model with transformers' SDPA attention, for reference.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import affine_attention  # noqa: E402
+from affine_attention.hf.presets import build_model  # noqa: E402
+from affine_attention.variants import variant_names  # noqa: E402
+
+
+class Decoder:
+    """One model with its own synthetic cache of `length` positions; `run()` times `steps` greedy tokens."""
+
+    def __init__(self, model, length: int, steps: int, seed: int = 0):
+        from transformers import DynamicCache
+
+        self.model, self.length, self.steps = model, length, steps
+        cfg, self.device = model.config, model.device
+        gen = torch.Generator().manual_seed(seed)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.cache = DynamicCache(config=cfg)
+        for i in range(cfg.num_hidden_layers):  # (B=1, Hkv, length, D) per layer
+            shape = (1, cfg.num_key_value_heads, length, head_dim)
+            k, v = (torch.randn(shape, generator=gen).to(self.device, model.dtype) for _ in range(2))
+            self.cache.update(k, v, i)
+        self.token = torch.tensor([[1]], device=self.device)
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _step(self):
+        pos = torch.tensor([[self.cache.get_seq_length()]], device=self.device)
+        logits = self.model(self.token, position_ids=pos, cache=self.cache, use_cache=True).logits
+        self.token = logits[:, -1:].argmax(-1)
+
+    def run(self) -> float:
+        extra = self.cache.get_seq_length() - self.length
+        if extra:
+            self.cache.crop(-extra)
+        self._step()  # untimed: rebuilds what the crop invalidated
+        self._sync()
+        t0 = time.perf_counter()
+        for _ in range(self.steps):
+            self._step()
+        self._sync()
+        return (time.perf_counter() - t0) / self.steps
+
+
+def bench(preset: str, lengths: list[int], repeats: int, steps: int, device: str = "cpu", dtype=None,
+          seed: int = 0) -> dict[int, dict[str, list[float]]]:
+    torch.manual_seed(seed)
+    base = build_model(preset, device=device, dtype=dtype).eval()
+    models = {"hf-sdpa": base}
+    for name in variant_names():
+        models[name] = affine_attention.convert(copy.deepcopy(base), name).eval()
+    rng = random.Random(seed)
+    results = {}
+    with torch.inference_mode():
+        for length in lengths:
+            decoders = {name: Decoder(m, length, steps, seed) for name, m in models.items()}
+            for d in decoders.values():  # warm up every path once
+                d.run()
+            times = {name: [] for name in decoders}
+            for _ in range(repeats):
+                order = list(decoders)
+                rng.shuffle(order)
+                for name in order:
+                    times[name].append(decoders[name].run())
+            results[length] = times
+            print(f"  cache {length}: softmax {statistics.median(times['softmax']) * 1e3:.2f} ms/token",
+                  file=sys.stderr, flush=True)
+    return results
+
+
+def table(results: dict[int, dict[str, list[float]]]) -> str:
+    names = [n for n in next(iter(results.values())) if n != "softmax"]
+    lines = ["| cache length | softmax ms/token | " + " | ".join(names) + " |",
+             "|---:|---:|" + "---:|" * len(names)]
+    for length, times in results.items():
+        base = times["softmax"]
+        ratios = [statistics.median(t / b for t, b in zip(times[n], base)) for n in names]
+        lines.append(f"| {length} | {statistics.median(base) * 1e3:.2f} | "
+                     + " | ".join(f"{r:.2f}" for r in ratios) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="short run: lengths 256 and 1024, 5 repeats, 4 steps")
+    p.add_argument("--preset", default="small-llama", help="model preset (default: small-llama)")
+    p.add_argument("--lengths", type=int, nargs="+", help="cache lengths (default 256 512 ... 8192)")
+    p.add_argument("--repeats", type=int, help="timed repeats per variant and length (default 15)")
+    p.add_argument("--steps", type=int, help="greedy tokens per timed run (default 8)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    args = p.parse_args(argv)
+    lengths = args.lengths or ([256, 1024] if args.quick else [256 * 2 ** i for i in range(6)])
+    repeats = args.repeats or (5 if args.quick else 15)
+    steps = args.steps or (4 if args.quick else 8)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = bench(args.preset, lengths, repeats, steps, args.device, getattr(torch, args.dtype))
+    where = f"CPU threads {torch.get_num_threads()}" if args.device == "cpu" else args.device
+    print(f"Cached greedy decoding, preset {args.preset}, {args.dtype}, batch 1, {where}: "
+          f"per-token latency as a ratio to softmax (median of {repeats} paired ratios, {steps} tokens each).\n")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Helpers shared by the tests/test_hf_*.py files: tiny models per family, trained-looking variant state, batches."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import affine_attention  # noqa: E402,F401  (registers the converted model types)
+from affine_attention.hf.presets import build_model  # noqa: E402
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]  # tiny-mistral has a sliding window of 4 tokens
+VOCAB = 128
+
+
+def tiny(family: str, variant: str | None = None, *, seed: int = 0, dtype=None, **overrides):
+    """A freshly initialised tiny causal LM (hidden 64, 2 layers, 4 heads, 2 KV heads) in eval mode on CPU."""
+    torch.manual_seed(seed)
+    model = build_model(f"tiny-{family}", device="cpu", dtype=dtype, **overrides).eval()
+    model.generation_config.eos_token_id = None  # random weights: never stop early, so sequences line up
+    if variant is not None:
+        affine_attention.convert(model, variant)
+    return model
+
+
+@torch.no_grad()
+def perturb(model, seed: int = 1) -> None:
+    """Give every variant parameter and alpha_ma a non-initial value, so identity or defaults would be detectable."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if ".attn_variant." in name:
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen).to(p.dtype))
+    for name, b in model.named_buffers():
+        if name.endswith("alpha_ma"):
+            b.copy_(torch.rand(b.shape, generator=gen).to(b.dtype))
+
+
+def variant_state(model) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if ".attn_variant." in k}
+
+
+def left_padded(B: int = 3, T: int = 12, pads=(0, 3, 1), seed: int = 0):
+    """input_ids (B, T), attention_mask (B, T) with left padding `pads`, and matching position_ids (B, T)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (B, T), generator=gen)
+    mask = torch.ones(B, T, dtype=torch.long)
+    for b, p in enumerate(pads[:B]):
+        mask[b, :p] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, pos

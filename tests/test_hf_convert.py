@@ -1,0 +1,217 @@
+"""convert(): exact softmax equivalence, names, masks kept structured, sliding windows, training, errors."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_hf_common import FAMILIES, left_padded, perturb, tiny
+from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel
+from transformers.masking_utils import sliding_window_causal_mask_function
+
+import affine_attention
+from affine_attention.hf.attention import X_KWARG, structured_mask
+from affine_attention.variants import variant_names
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_softmax_conversion_keeps_logits(family):
+    base = tiny(family)
+    ids, mask, pos = left_padded(T=12)
+    right = mask.flip(-1)  # right padding, default positions
+    with torch.no_grad():
+        ref = base(ids, attention_mask=mask, position_ids=pos).logits
+        ref_right = base(ids, attention_mask=right).logits
+        ref_nopad = base(ids).logits
+    model = affine_attention.convert(copy.deepcopy(base), "softmax")
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, position_ids=pos).logits
+        out_right = model(ids, attention_mask=right).logits
+        out_nopad = model(ids).logits
+    assert (out - ref)[mask.bool()].abs().max() <= 1e-5
+    assert (out_right - ref_right)[right.bool()].abs().max() <= 1e-5
+    assert (out_nopad - ref_nopad).abs().max() <= 1e-5
+
+
+def test_names_config_and_class():
+    base = tiny("llama")
+    before = dict(base.named_parameters())
+    cfg = base.config
+    model = affine_attention.convert(base, "affine_gated", activation="sigmoid")
+    after = dict(model.named_parameters())
+    assert set(before) <= set(after) and all(after[k] is before[k] for k in before)
+    new = sorted(set(after) - set(before))
+    assert new == sorted(f"model.layers.{i}.self_attn.attn_variant.{n}.weight"
+                         for i in range(2) for n in ("alpha_proj", "gate_proj"))
+    assert "model.layers.0.self_attn.attn_variant.alpha_ma" in model.state_dict()
+    spec = model.config.affine_attention
+    assert spec["variant"] == "affine_gated" and spec["options"]["activation"] == "sigmoid"
+    assert type(model).__name__ == "AffineLlamaForCausalLM" and model.config.model_type == "affine_llama"
+    assert model.config._attn_implementation == "affine_attention"
+    assert not hasattr(cfg, "affine_attention") and type(cfg).__name__ == "LlamaConfig"  # caller's config untouched
+
+
+def test_conversion_errors():
+    model = tiny("llama", "affine")
+    with pytest.raises(ValueError, match="already converted"):
+        affine_attention.convert(model, "affine")
+    with pytest.raises(ValueError, match="only the 'affine_attention' implementation"):
+        model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="unknown attention variant"):
+        affine_attention.convert(tiny("llama"), "nope")
+    with pytest.raises(ValueError, match="unknown option"):
+        affine_attention.convert(tiny("llama"), "affine", rho=0.5)
+    with pytest.raises(ValueError, match="cannot convert LlamaModel"):
+        affine_attention.convert(tiny("llama").model, "affine")
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="cannot convert GPT2LMHeadModel"):
+        affine_attention.convert(gpt2, "affine")
+    with pytest.raises(ValueError, match="attention dropout"):
+        affine_attention.convert(tiny("llama", attention_dropout=0.1), "affine")
+
+
+def _record_masks(model):
+    """Collect (attn_mask shape or None, is_causal) of every variant call."""
+    seen = []
+    for m in model.modules():
+        if m.__class__.__module__.startswith("affine_attention.variants"):
+            m.register_forward_pre_hook(lambda mod, a, kw: seen.append(
+                (None if kw["attn_mask"] is None else tuple(kw["attn_mask"].shape), kw["is_causal"])), with_kwargs=True)
+    return seen
+
+
+def test_masks_stay_structured():
+    model = tiny("llama", "affine")
+    seen = _record_masks(model)
+    ids, mask, pos = left_padded(T=10)
+    with torch.no_grad():
+        model(ids)  # no padding: plain causal
+        model(ids, attention_mask=mask, position_ids=pos)  # left padding: key mask + causal
+        right = mask.flip(-1)
+        model(ids, attention_mask=right)  # right padding: key mask + causal
+    assert seen[:2] == [(None, True)] * 2
+    assert seen[2:] == [((3, 1, 1, 10), True)] * 4
+
+
+def test_mask_function_forms():
+    pad = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    assert structured_mask(2, 4, 4, attention_mask=torch.ones(2, 4, dtype=torch.bool)) is None
+    assert torch.equal(structured_mask(2, 4, 4, attention_mask=pad), pad[:, None, None, :])
+    # a 4-token window hides nothing for 4 keys but does for 6: dense, exactly transformers' mask
+    assert structured_mask(2, 4, 4, attention_mask=pad, local_size=4).shape == (2, 1, 1, 4)
+    dense = structured_mask(1, 6, 6, local_size=4, mask_function=sliding_window_causal_mask_function(4))
+    i, j = torch.arange(6)[:, None], torch.arange(6)[None]
+    assert torch.equal(dense[0, 0], (j <= i) & (j > i - 4))
+    # not bottom-right aligned (a static cache of 8 slots, 2 written): dense
+    static = structured_mask(1, 1, 8, q_offset=2, attention_mask=torch.ones(1, 3, dtype=torch.bool))
+    assert torch.equal(static[0, 0, 0], torch.arange(8) <= 2)
+
+
+def _reference_forward(module, query, key, value, attention_mask, scaling=None, sliding_window=None, **kwargs):
+    """Independent reference: the variant's eager form under a window mask built here from positions."""
+    T, S = query.shape[-2], key.shape[-2]
+    i = torch.arange(T)[:, None] + (S - T)
+    j = torch.arange(S)[None]
+    vis = j <= i
+    if sliding_window is not None:
+        vis = vis & (j > i - sliding_window)
+    out, _, _ = module.attn_variant.reference(query, key, value, kwargs[X_KWARG], attn_mask=vis[None, None],
+                                              scale=scaling)
+    return out.transpose(1, 2), None
+
+
+@pytest.mark.parametrize("variant", ["affine", "sink"])
+def test_sliding_window_matches_reference(variant):
+    model = tiny("mistral", variant)  # sliding window 4, sequences of 11
+    perturb(model)
+    ids = torch.randint(0, 128, (2, 11))
+    with torch.no_grad():
+        out = model(ids).logits
+        AttentionInterface.register("aa_test_reference", _reference_forward)
+        model.config._attn_implementation = "aa_test_reference"
+        ref = model(ids).logits
+        model.config._attn_implementation = "affine_attention"
+    assert (out - ref).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("variant", [v for v in variant_names() if v not in ("softmax", "off_by_one")])
+def test_gradients_reach_every_new_parameter(variant):
+    model = tiny("qwen3", variant).train()
+    perturb(model)
+    ids, mask, pos = left_padded(T=8)
+    model(ids, attention_mask=mask, position_ids=pos, labels=ids).loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if ".attn_variant." in n}
+    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values()), grads.keys()
+
+
+def test_gradient_checkpointing_updates_alpha_ma_once():
+    plain = tiny("llama", "affine").train()
+    perturb(plain)
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.gradient_checkpointing_enable()
+    before = plain.model.layers[0].self_attn.attn_variant.alpha_ma.clone()
+    calls = {id(plain): 0, id(checkpointed): 0}
+    for m in (plain, checkpointed):
+        m.model.layers[0].self_attn.attn_variant.register_forward_hook(
+            lambda *_, key=id(m): calls.__setitem__(key, calls[key] + 1))
+    ids, mask, pos = left_padded(T=8)
+    for m in (plain, checkpointed):
+        m(ids, attention_mask=mask, position_ids=pos, labels=ids).loss.backward()
+    assert calls == {id(plain): 1, id(checkpointed): 2}  # the checkpointed layer really ran again in backward
+    for lp, lc in zip(plain.model.layers, checkpointed.model.layers):
+        assert torch.equal(lp.self_attn.attn_variant.alpha_ma, lc.self_attn.attn_variant.alpha_ma)
+    # exactly one EMA step from the mean alpha over real tokens only (padding excluded)
+    attn = plain.model.layers[0].self_attn
+    with torch.no_grad():
+        x = plain.model.layers[0].input_layernorm(plain.model.embed_tokens(ids))
+        alpha = attn.attn_variant.compute_alpha(x)  # (B, H, T)
+        w = mask.bool()[:, None, :].float()
+        mean = (alpha * w).sum((0, 2)) / w.sum((0, 2))
+    assert torch.allclose(attn.attn_variant.alpha_ma, 0.9 * before + 0.1 * mean, atol=1e-6)
+    gp = {n: p.grad for n, p in plain.named_parameters()}
+    for n, p in checkpointed.named_parameters():
+        assert torch.allclose(p.grad, gp[n], atol=1e-6), n
+
+
+def test_bf16_runs_and_tracks_fp32():
+    model32 = tiny("llama", "affine")
+    perturb(model32)
+    model16 = copy.deepcopy(model32).to(torch.bfloat16)
+    ids, mask, pos = left_padded(T=10)
+    with torch.no_grad():
+        ref = model32(ids, attention_mask=mask, position_ids=pos).logits
+        out = model16(ids, attention_mask=mask, position_ids=pos).logits
+        gen = model16.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all() and gen.shape == (3, 13)
+    assert (out.float() - ref)[mask.bool()].abs().max() < 0.1
+
+
+def test_torch_compile_traces_forward_and_backward():
+    """Dynamo traces the pre-hook, the attention seam and the variant (aot_eager: no C++ build, fast)."""
+    model = tiny("llama", "affine", num_hidden_layers=1).train()
+    reference = copy.deepcopy(model)
+    ids, mask, pos = left_padded(T=8)
+    compiled = torch.compile(model, backend="aot_eager")
+    loss = compiled(ids, attention_mask=mask, position_ids=pos, labels=ids).loss
+    loss.backward()
+    ref = reference(ids, attention_mask=mask, position_ids=pos, labels=ids).loss
+    ref.backward()
+    assert torch.allclose(loss, ref, atol=1e-5)
+    ref_grads = dict(reference.named_parameters())
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[n].grad, atol=1e-5), n
+
+
+@pytest.mark.slow
+def test_torch_compile_inductor_affine():
+    model = tiny("llama", "affine").train()
+    reference = copy.deepcopy(model)
+    ids, mask, pos = left_padded(T=16)
+    loss = torch.compile(model)(ids, attention_mask=mask, position_ids=pos, labels=ids).loss
+    loss.backward()
+    ref = reference(ids, attention_mask=mask, position_ids=pos, labels=ids).loss
+    ref.backward()
+    assert torch.allclose(loss, ref, atol=1e-5)
+    assert all(p.grad is not None for p in model.parameters())
+    for lm, lr in zip(model.model.layers, reference.model.layers):
+        assert torch.allclose(lm.self_attn.attn_variant.alpha_ma, lr.self_attn.attn_variant.alpha_ma)

