@@ -1,0 +1,329 @@
+"""Capture the paper's attention diagnostics from a converted causal LM with forward hooks, chunk by chunk.
+
+Every `AttentionVariant` module in the model (``self_attn.attn_variant`` after `affine_attention.convert`) gets a
+forward hook; the hook recomputes the layer's weights with `variant.reference` for one block of queries at a time
+and reduces them at once into per-head running statistics, so memory holds one layer's (B, H, chunk, S) block.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor, nn
+
+from ..ops import attention_logits, visible_mask
+from ..variants import AttentionVariant
+from .metrics import LayerStats, alpha_distribution, head_utilisation
+
+__all__ = ["AttentionRecorder", "LayerRecord", "find_variant_modules", "utilisation", "DEFAULT_HIST_EDGES"]
+
+# Per-query total mass of softmax/sink rows lies in [0, 1]; affine rows (alpha p + beta) can leave it slightly,
+# so the accumulated histogram is a little wider than [0, 1] (values further out fall into the end bins).
+DEFAULT_HIST_EDGES = torch.linspace(-0.25, 1.25, 61, dtype=torch.float64)
+
+
+def find_variant_modules(model: nn.Module) -> list[tuple[int, str, AttentionVariant]]:
+    """(layer index, module name, variant) for every attention-variant module, in layer order.
+
+    The layer index is the first integer in the module's dotted name (``model.layers.7.self_attn.attn_variant`` ->
+    7); names without one are numbered by their order in the model.
+    """
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, AttentionVariant)]
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no attention-variant modules to record; convert it first, e.g. "
+            "`affine_attention.convert(model, 'softmax')` (softmax leaves the model's logits unchanged)")
+    out = []
+    for order, (name, m) in enumerate(found):
+        num = next((int(p) for p in name.split(".") if p.isdigit()), None)
+        out.append((num if num is not None else order, name, m))
+    if len({i for i, _, _ in out}) != len(out):  # e.g. an encoder-decoder: fall back to plain order
+        out = [(order, name, m) for order, (_, name, m) in enumerate(out)]
+    return sorted(out, key=lambda t: t[0])
+
+
+@dataclass
+class LayerRecord:
+    """Everything captured for one attention layer. Per-head tensors are float64 CPU, shape (H,).
+
+    stats: `metrics.LayerStats.result()` (first_token_mass, entropy, mean_total_mass,
+      mean_total_mass_sink_excluded, hist_counts (H, n), hist_edges (n+1,), n_queries).
+    attention_map: (m, m) head- and batch-averaged weights of the first m queries x m keys (m = map_size).
+    qk_logit_mean, qk_logit_abs_mean: mean of q.k*scale and of its absolute value over visible keys of real queries.
+    alpha: `metrics.alpha_distribution` of alpha over real queries (affine variants), else None.
+    sink_mass: mean learned-sink mass per head (sink variants), else None.
+    total_mass_values: (n,) float32 per-query total mass (first token excluded) of real queries, all heads pooled;
+      None when the recorder was built with keep_values=False.
+    """
+
+    index: int
+    name: str
+    variant: str
+    num_heads: int
+    stats: dict
+    attention_map: Tensor
+    qk_logit_mean: Tensor
+    qk_logit_abs_mean: Tensor
+    alpha: dict | None = None
+    sink_mass: Tensor | None = None
+    total_mass_values: Tensor | None = None
+
+    def layer_mean(self, key: str) -> float:
+        """Mean over heads of a per-head stat (all heads see the same queries, so also the mean over queries)."""
+        v = self.stats[key] if key in self.stats else getattr(self, key)
+        return float(torch.nanmean(v.to(torch.float64)))
+
+
+@dataclass
+class _Accumulator:
+    """Running sums for one layer (all CPU float64; O(H + m^2) memory plus optional per-query values)."""
+
+    stats: LayerStats
+    map_size: int
+    map_sum: Tensor | None = None
+    map_count: Tensor | None = None
+    qk: Tensor | None = None  # (3, H): sum, sum of |x|, count
+    sink: Tensor | None = None  # (2, H): sum, count
+    alpha_values: list = field(default_factory=list)  # (H, n_chunk) float32 pieces
+    totals: list = field(default_factory=list)
+    variant: str = ""
+    num_heads: int = 0
+
+
+def _as4d(mask: Tensor) -> Tensor:
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+
+def _add(acc: Tensor | None, x: Tensor) -> Tensor:
+    return x if acc is None else acc + x
+
+
+class AttentionRecorder:
+    """Context manager that records attention statistics of every (or selected) layer during forwards.
+
+        with AttentionRecorder(model, chunk=256) as rec:
+            model(input_ids=ids, attention_mask=am, use_cache=False)
+        layers = rec.results()  # list[LayerRecord] in layer order
+
+    Several forwards accumulate (one per batch of sequences). Padding: real queries come from the variant's
+    ``token_mask`` argument when the model passes one, else from the ``attention_mask`` given to the recorded
+    model's forward (2-D (B, T), 1 = real token), else from a (B, 1, 1, S) key mask when T == S; padded queries
+    enter no statistic. Rows of the attention map are absolute query positions, so pad on the right.
+    The recorder never changes the model's outputs or state (reference ops do not update alpha_ma); run the
+    forward without a KV cache (use_cache=False) so each layer sees the whole sequence.
+
+    chunk: queries per block (the memory knob: one block is (B, H, chunk, <=S) weights). layers: optional layer
+    indices to record (default all). map_size: side of the attention map. keep_values: keep per-query total masses
+    and alpha values (O(B * H * T) floats per layer, for histograms and quantiles).
+    """
+
+    def __init__(self, model: nn.Module, *, chunk: int = 256, layers: Iterable[int] | None = None,
+                 map_size: int = 30, hist_edges: Tensor | int | None = None, keep_values: bool = True):
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+            raise ValueError(f"chunk must be a positive int (queries per block), got {chunk!r}")
+        if not isinstance(map_size, int) or map_size < 1:
+            raise ValueError(f"map_size must be a positive int, got {map_size!r}")
+        self.model = model
+        self.chunk = chunk
+        self.map_size = map_size
+        self.keep_values = keep_values
+        self._hist_edges = DEFAULT_HIST_EDGES if hist_edges is None else hist_edges
+        modules = find_variant_modules(model)
+        wanted = None if layers is None else set(int(i) for i in layers)
+        if wanted is not None:
+            missing = wanted - {i for i, _, _ in modules}
+            if missing:
+                raise ValueError(f"layers {sorted(missing)} not found; the model has layers "
+                                 f"{[i for i, _, _ in modules]}")
+            modules = [t for t in modules if t[0] in wanted]
+        self._modules = modules
+        self._handles: list = []
+        self._model_mask: Tensor | None = None
+        self.reset()
+
+    # --- context manager ------------------------------------------------------------------------
+    def __enter__(self) -> "AttentionRecorder":
+        if self._handles:
+            raise RuntimeError("AttentionRecorder is already active")
+        self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._model_post_hook, with_kwargs=True))
+        for index, name, m in self._modules:
+            self._handles.append(m.register_forward_hook(self._layer_hook(index), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._model_mask = None
+
+    def reset(self) -> None:
+        """Forget everything recorded so far."""
+        self._acc = {index: _Accumulator(LayerStats(hist_edges=self._hist_edges), self.map_size)
+                     for index, _, _ in self._modules}
+
+    # --- hooks ----------------------------------------------------------------------------------
+    def _model_pre_hook(self, module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if mask is None and args:
+            try:
+                mask = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments.get("attention_mask")
+            except TypeError:
+                mask = None
+        self._model_mask = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
+
+    def _model_post_hook(self, module, args, kwargs, output):
+        self._model_mask = None
+
+    def _layer_hook(self, index: int):
+        def hook(module: AttentionVariant, args, kwargs, output):
+            bound = _bind(module, args, kwargs)
+            with torch.no_grad():
+                self._record(index, module, **bound)
+        return hook
+
+    def _query_mask(self, token_mask, attn_mask, B: int, T: int, S: int) -> Tensor | None:
+        """(B, T) bool of real queries, or None when every query is real (see the class docstring)."""
+        if isinstance(token_mask, Tensor) and tuple(token_mask.shape) == (B, T):
+            return token_mask.bool()
+        m = self._model_mask
+        if m is not None and tuple(m.shape) == (B, T):
+            return m
+        if isinstance(attn_mask, Tensor) and T == S:
+            a = _as4d(attn_mask)
+            if a.shape[1] == 1 and a.shape[2] == 1 and a.shape[0] == B and a.shape[3] == S:
+                return a[:, 0, 0, :]
+        return None
+
+    # --- the chunked reduction ----------------------------------------------------------------
+    def _record(self, index: int, module: AttentionVariant, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
+                attn_mask: Tensor | None, is_causal: bool, scale: float | None, token_mask: Tensor | None) -> None:
+        """q: (B, Hq, T, D), k, v: (B, Hkv, S, D), x: (B, T, hidden); one block of queries at a time."""
+        acc = self._acc[index]
+        B, H, T, _ = q.shape
+        S = k.shape[2]
+        acc.variant, acc.num_heads = module.name, H
+        qmask = self._query_mask(token_mask, attn_mask, B, T, S)
+        if qmask is not None:
+            qmask = qmask.to(q.device)
+        mask4 = _as4d(attn_mask) if attn_mask is not None else None
+        gqa = k.shape[1] != H
+        for t0 in range(0, T, self.chunk):
+            t1 = min(T, t0 + self.chunk)
+            # Bottom-right causal: query i sees keys j <= i + S - T. The block's queries see at most the first
+            # t1 + S - T keys; passing exactly that prefix with is_causal keeps the same offset for every row
+            # (offset' = prefix - (t1 - t0) = t0 + S - T), so the block is computed exactly and costs a triangle.
+            prefix = t1 + S - T if is_causal else S
+            if is_causal and prefix < 1:  # T > S: these queries see no key; the explicit mask says so
+                prefix, causal_blk = S, False
+                extra = visible_mask(None, True, T, S, q.device)[:, :, t0:t1]
+            else:
+                causal_blk, extra = is_causal, None
+            blk_mask = None
+            if mask4 is not None:
+                blk_mask = mask4[:, :, t0:t1] if mask4.shape[2] == T and T > 1 else mask4
+                blk_mask = blk_mask[..., :prefix] if blk_mask.shape[3] == S else blk_mask
+            if extra is not None:
+                blk_mask = extra if blk_mask is None else blk_mask & extra
+            qb, kb, vb, xb = q[:, :, t0:t1], k[:, :, :prefix], v[:, :, :prefix], x[:, t0:t1]
+            qm = qmask[:, t0:t1] if qmask is not None else None
+            _, w, extras = module.reference(qb, kb, vb, xb, attn_mask=blk_mask, is_causal=causal_blk, scale=scale)
+            vis = visible_mask(blk_mask, causal_blk, t1 - t0, prefix, q.device)
+            self._reduce(acc, w, vis, qm, extras, t0,
+                         attention_logits(qb, kb, scale=scale, enable_gqa=gqa))
+            del w, extras, vis
+
+    def _reduce(self, acc: _Accumulator, w: Tensor, vis: Tensor, qm: Tensor | None, extras: dict, t0: int,
+                logits: Tensor) -> None:
+        """w, logits: (B, H, Tc, Sc); vis: (B|1, 1|H, Tc, Sc) bool; qm: (B, Tc) bool or None."""
+        B, H, Tc, Sc = w.shape
+        if w.dtype not in (torch.float32, torch.float64):  # bf16/fp16 models: reduce in float32
+            w, logits = w.float(), logits.float()
+        sink = extras.get("sink_mass")
+        acc.stats.update(w, vis, qm, sink_mass=sink)
+        qm_full = qm if qm is not None else torch.ones(B, Tc, dtype=torch.bool, device=w.device)
+        visx = vis.expand(B, H, Tc, Sc)
+        real = visx.any(-1) & qm_full[:, None, :]  # (B, H, Tc): the real queries of metrics.py
+        keep = visx & real[..., None]
+        x = torch.where(keep, logits, 0.0)  # masked logits may be anything (-inf included): zero them
+        # float64 accumulation without a float64 copy of the block
+        acc.qk = _add(acc.qk, torch.stack([x.sum((0, 2, 3), dtype=torch.float64),
+                                           x.abs_().sum((0, 2, 3), dtype=torch.float64),
+                                           keep.sum((0, 2, 3)).double()]).cpu())
+        del x, keep
+        if sink is not None:
+            s = torch.where(real, sink, torch.zeros_like(sink)).double()
+            acc.sink = _add(acc.sink, torch.stack([s.sum((0, 2)), real.sum((0, 2)).double()]).cpu())
+        if "alpha" in extras and self.keep_values:
+            a = extras["alpha"].detach().permute(1, 0, 2)[:, qm_full]  # (H, n_real)
+            acc.alpha_values.append(a.to("cpu", torch.float32))
+        if self.keep_values:
+            # metrics.total_mass: visible weight minus the first visible key's (argmax finds the first True)
+            first = visx.byte().argmax(-1, keepdim=True)
+            total = torch.where(visx, w, 0.0).sum(-1) - w.gather(-1, first).squeeze(-1)
+            acc.totals.append(total[real].to("cpu", torch.float32))  # `real` rows see at least one key
+        m = self.map_size
+        if t0 < m:  # rows of the absolute attention map live in the first blocks only
+            r = min(m, t0 + Tc) - t0
+            sub = torch.zeros(B, H, r, m, dtype=torch.float64, device=w.device)
+            c = min(m, Sc)
+            sub[..., :c] = torch.where(visx[:, :, :r, :c], w[:, :, :r, :c], 0).double()
+            rows = qm_full[:, :r].double()  # (B, r)
+            summed = (sub.sum(1) * rows[:, :, None]).sum(0).cpu()  # (r, m)
+            count = (rows.sum(0) * H).cpu()  # (r,)
+            if acc.map_sum is None:
+                acc.map_sum = torch.zeros(m, m, dtype=torch.float64)
+                acc.map_count = torch.zeros(m, dtype=torch.float64)
+            acc.map_sum[t0:t0 + r] += summed
+            acc.map_count[t0:t0 + r] += count
+
+    # --- results --------------------------------------------------------------------------------
+    def results(self) -> list[LayerRecord]:
+        """One `LayerRecord` per recorded layer, in layer order; RuntimeError if nothing was recorded."""
+        out = []
+        for index, name, _ in self._modules:
+            acc = self._acc[index]
+            if acc.qk is None:
+                raise RuntimeError(f"layer {index} ({name}) recorded nothing: run a forward inside the "
+                                   "`with AttentionRecorder(...)` block first")
+            nan = torch.full((acc.num_heads,), float("nan"), dtype=torch.float64)
+            cnt = acc.qk[2]
+            qk_mean = torch.where(cnt > 0, acc.qk[0] / cnt.clamp(min=1), nan)
+            qk_abs = torch.where(cnt > 0, acc.qk[1] / cnt.clamp(min=1), nan)
+            n = acc.map_count.clamp(min=1)[:, None]
+            amap = torch.where(acc.map_count[:, None] > 0, acc.map_sum / n, torch.zeros_like(acc.map_sum))
+            seen = int((acc.map_count > 0).sum())  # sequences shorter than map_size leave the last rows empty
+            amap = amap[:seen, :seen] if seen else amap[:0, :0]
+            alpha = None
+            if acc.alpha_values:
+                a = torch.cat(acc.alpha_values, dim=1)  # (H, n_real)
+                alpha = alpha_distribution(a[None].double())  # as one (1, H, n) batch of real queries
+            sink = None
+            if acc.sink is not None:
+                sink = torch.where(acc.sink[1] > 0, acc.sink[0] / acc.sink[1].clamp(min=1), nan)
+            totals = torch.cat(acc.totals) if acc.totals else None
+            out.append(LayerRecord(index, name, acc.variant, acc.num_heads, acc.stats.result(), amap, qk_mean,
+                                   qk_abs, alpha, sink, totals))
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.forward)
+
+
+def _bind(module: AttentionVariant, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The variant's forward arguments by name (q, k, v, x may come positionally or by keyword)."""
+    ba = _signature(type(module)).bind(module, *args, **kwargs)
+    ba.apply_defaults()
+    a = ba.arguments
+    return {name: a[name] for name in ("q", "k", "v", "x", "attn_mask", "is_causal", "scale", "token_mask")}
+
+
+def utilisation(records: list[LayerRecord], sink_excluded: bool = True) -> Tensor:
+    """(L, H) layer x head grid of mean total mass, min-max normalised to [0, 1] (`metrics.head_utilisation`)."""
+    key = "mean_total_mass_sink_excluded" if sink_excluded else "mean_total_mass"
+    return head_utilisation([r.stats[key] for r in records])

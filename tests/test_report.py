@@ -1,0 +1,161 @@
+"""write_report / `affine-attention report` on a synthetic compare run directory (metrics, summary, checkpoints)."""
+import base64
+import json
+import math
+import re
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from affine_attention.analysis import gradstats  # noqa: E402
+from affine_attention.analysis.report import write_report  # noqa: E402
+from affine_attention.cli import main  # noqa: E402
+
+VARIANTS = ["softmax", "affine", "affine_frozen"]
+SEEDS, STEPS = 2, 60
+ATTENTION_FIGURES = ["first_token_mass", "entropy", "head_mass", "mass_histogram", "attention_map_layer1",
+                     "alpha_histogram"]
+TRAINING_FIGURES = ["loss", "heldout_loss", "grad_norm", "qk_logit", "alpha_training"]
+
+
+def _checkpoint(path, variant):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import affine_attention
+    from affine_attention.train.corpus import default_tokenizer
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=128, vocab_size=4096))
+    affine_attention.convert(model, variant)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("alpha_ma"):
+                b.fill_(0.5)
+        for name, p in model.named_parameters():
+            if "alpha_proj" in name:
+                p.normal_(0, 0.5)
+    model.save_pretrained(path)
+    default_tokenizer().save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def run_dir():
+    """A compare-layout run: summary.json, config.json, <variant>/seed<k>/{metrics.jsonl, result.json, final/}."""
+    from affine_attention.train.config import RunConfig
+
+    root = tempfile.mkdtemp(prefix="aa-report-")
+    from pathlib import Path
+
+    root = Path(root) / "run"
+    cfg = RunConfig()
+    cfg.compare.variants, cfg.compare.seeds, cfg.train.steps, cfg.data.seq_len = VARIANTS, SEEDS, STEPS, 32
+    cfg = cfg.to_dict()
+    rng = np.random.default_rng(0)
+    params = {"softmax": 500_000, "affine": 500_512, "affine_frozen": 500_000}
+    results = {}
+    for i, v in enumerate(VARIANTS):
+        results[v] = []
+        for k in range(SEEDS):
+            d = root / v / f"seed{k}"
+            d.mkdir(parents=True)
+            lines = [{"kind": "config", "config": cfg, "variant": v, "params": params[v]}]
+            lines.append({"kind": "eval", "step": 0, "heldout_loss": 8.3, "heldout_ppl": math.exp(8.3),
+                          "qk_logit_mean": 0.0})
+            for s in range(1, STEPS + 1):
+                norm = 1.0 + 0.1 * rng.standard_normal() + (5.0 if s in (7, 30 + i) else 0.0)
+                rec = {"kind": "train", "step": s, "loss": 8 * math.exp(-s / 20) + 3 + 0.01 * i + 0.01 * k,
+                       "ce_loss": 3.0, "lr": 1e-3, "grad_norm": norm, "tokens_per_s": 1000.0}
+                if v.startswith("affine"):
+                    rec.update(alpha_mean=[0.5 + 0.001 * s, 0.5], alpha_std=[0.1, 0.1], alpha_ma=[0.5, 0.5])
+                lines.append(rec)
+                if s % 20 == 0:
+                    lines.append({"kind": "eval", "step": s, "heldout_loss": 4 - s / 60 + 0.02 * i + 0.005 * k,
+                                  "heldout_ppl": math.exp(4 - s / 60), "qk_logit_mean": 0.01 * s * (1 + i)})
+            result = {"variant": v, "params": params[v], "steps": STEPS, "final_train_loss": 3.1 + 0.01 * i + 0.01 * k,
+                      "heldout_loss": 3.0 + 0.02 * i + 0.005 * k, "heldout_ppl": math.exp(3.0 + 0.02 * i),
+                      "tokens_per_s": 1000.0, "wall_time_s": 10.0}
+            lines.append({"kind": "end", "step": STEPS, **result})
+            (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+            (d / "result.json").write_text(json.dumps(result))
+            results[v].append(result)
+        _checkpoint(root / v / "seed0" / "final", v)
+    summary = {"variants": {v: {"seeds": SEEDS, "params": params[v], "param_overhead": params[v] - 500_000}
+                            for v in VARIANTS}, "seeds": SEEDS, "total_wall_time_s": 60.0, "config": cfg}
+    (root / "summary.json").write_text(json.dumps(summary))
+    write_report(root, sequences=2, length=40)
+    yield root
+    shutil.rmtree(root.parent, ignore_errors=True)
+
+
+def test_markdown_has_tables_figures_and_controls(run_dir):
+    md = (run_dir / "report.md").read_text()
+    for title in ("Table 1.", "Table 2. Gradient-norm statistics", "Table 3. Methods against their controls",
+                  "What this run shows and does not show", "hardware", "versions"):
+        assert title in md, title
+    for v in VARIANTS:
+        assert f"| {v} |" in md
+    assert "| affine_frozen | control |" in md and "| affine | method | 512 |" in md
+    assert "| affine − affine_frozen | 2 |" in md
+    assert "all 60 logged steps (1-60; the run is shorter than 500)" in md
+    linked = re.findall(r"!\[[^\]]*\]\((figures/[^)]+\.png)\)", md)
+    assert sorted(linked) == sorted(f"figures/{f}.png" for f in TRAINING_FIGURES + ATTENTION_FIGURES)
+    for rel in linked:
+        assert (run_dir / rel).stat().st_size > 5000
+    captions = re.findall(r"\)\n\n\*([^*]+)\*", md)
+    assert len(captions) == len(linked)
+
+
+def test_gradient_table_matches_gradstats(run_dir):
+    md = (run_dir / "report.md").read_text()
+    per = [gradstats.stats_from_file(run_dir / "affine" / f"seed{k}" / "metrics.jsonl", window=(0, 61))
+           for k in range(SEEDS)]
+    cv = np.array([p["cv"] for p in per])
+    row = next(line for line in md.splitlines() if line.startswith("| affine |") and "±" in line
+               and line.count("|") == 8)
+    assert f"{cv.mean():.3f} ± {cv.std(ddof=1):.3f}" in row
+    assert all(p["spikes"][9] == 2 for p in per)  # the two injected spikes, k = 9
+    assert row.endswith("| 2.0 ± 0.0 | 2.0 ± 0.0 |")
+
+
+def test_html_is_self_contained(run_dir):
+    html = (run_dir / "report.html").read_text()
+    imgs = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
+    assert len(imgs) == len(TRAINING_FIGURES) + len(ATTENTION_FIGURES)
+    assert all(base64.b64decode(b)[:8] == b"\x89PNG\r\n\x1a\n" for b in imgs)
+    assert "figures/" not in html and "http" not in html.replace("http-equiv", "")
+    assert html.count("<table") == 4 and html.count("<figcaption") == len(imgs)
+
+
+def test_report_cli_regenerates_without_checkpoints(run_dir, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("final", "figures", "report.*"))
+    assert main(["report", str(copy), "--no-attention", "--window", "30"]) == 0
+    md = (copy / "report.md").read_text()
+    assert "steps 1-30" in md and "first_token_mass" not in md
+    assert str(copy / "report.html") in capsys.readouterr().out
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_html_renders_in_headless_chromium(run_dir, tmp_path):
+    exe = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if exe is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    shot = tmp_path / "shot.png"
+    cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+           "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'prof'}",
+           f"--screenshot={shot}", "--window-size=1200,3000", (run_dir / "report.html").as_uri()]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    from matplotlib.image import imread
+
+    img = imread(shot)[..., :3]
+    assert img.shape[:2] == (3000, 1200)
+    assert img.std() > 0.05 and (img < 0.5).mean() > 0.01  # text, tables and figures, not a blank page
