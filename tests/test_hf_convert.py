@@ -215,3 +215,23 @@ def test_torch_compile_inductor_affine():
     assert all(p.grad is not None for p in model.parameters())
     for lm, lr in zip(model.model.layers, reference.model.layers):
         assert torch.allclose(lm.self_attn.attn_variant.alpha_ma, lr.self_attn.attn_variant.alpha_ma)
+
+
+@pytest.mark.parametrize("variant", ["softmax", "affine", "sink"])
+def test_converted_model_runs_under_bf16_autocast(variant):
+    """RoPE returns float32 q/k under autocast while v is bfloat16: the seam must hand the op one dtype."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1))
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = m(input_ids=ids).logits.float()
+    affine_attention.convert(m, variant)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m(input_ids=ids).logits.float()
+        out.sum().backward()
+    assert torch.isfinite(out).all()
+    if variant == "softmax":
+        torch.testing.assert_close(out, ref, rtol=0.05, atol=0.05)

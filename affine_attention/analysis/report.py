@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import platform
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from .._environment import hardware, versions
 from . import gradstats
 from .report_template import Figure, Heading, Para, Table, to_html, to_markdown
 
@@ -182,39 +181,6 @@ def _mean_curve(rs: list[SeedRun], key: str, kind: str = "train"):
     return np.array(common), np.mean(vals, axis=0)
 
 
-def _versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    import torch
-
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for pkg in ("transformers", "affine-attention"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = "not installed (source tree)"
-    return out
-
-
-def _hardware() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count()
-    gpu = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) or "none"
-    return f"CPU {cpu}, {cores} usable cores; GPU: {gpu}"
-
-
 def _source(src: dict) -> str:
     kind = src.get("kind", "?")
     if kind == "corpus":
@@ -247,8 +213,8 @@ def _setup_rows(summary: dict, runs: dict[str, list[SeedRun]]) -> list[list[str]
                       f"kd_alpha = {kd.get('kd_alpha')})" if kd.get("enabled") else "next-token cross-entropy"],
         ["variants and seeds", ", ".join(f"{v} ({len(rs)} seed{'s' if len(rs) > 1 else ''})"
                                          for v, rs in runs.items())],
-        ["hardware", summary.get("hardware") or f"not recorded in the run; report written on: {_hardware()}"],
-        ["versions", ", ".join(f"{k} {v}" for k, v in (summary.get("versions") or _versions()).items())],
+        ["hardware", summary.get("hardware") or f"not recorded in the run; report written on: {hardware()}"],
+        ["versions", ", ".join(f"{k} {v}" for k, v in (summary.get("versions") or versions()).items())],
     ]
     if summary.get("total_wall_time_s"):
         rows.append(["total wall time", f"{summary['total_wall_time_s'] / 60:.1f} min"])

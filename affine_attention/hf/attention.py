@@ -99,6 +99,12 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     if dropout:
         raise ValueError(f"attention dropout ({dropout}) is not supported by affine_attention variants; set "
                          "`config.attention_dropout = 0.0`")
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Under autocast RoPE hands back float32 q and k while v stays in the autocast dtype; run the op, like
+        # SDPA under autocast, in the autocast dtype (its sums still accumulate in float32).
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     T, S = query.shape[-2], key.shape[-2]
     mask, is_causal, token_mask = _variant_mask(attention_mask, query.shape[0], T, S, variant.training)
     v_mean = None

@@ -1,0 +1,182 @@
+"""Atomic, verifiable training checkpoints: a transformers-loadable safetensors folder plus the training state.
+
+One checkpoint folder (run_dir/checkpoints/step-00000100/, or run_dir/final/) holds:
+  config.json, model*.safetensors, generation_config.json  save_pretrained output (AutoModel loadable)
+  tokenizer files                                          the run's tokenizer
+  optimizer.safetensors, optimizer.json                    AdamW tensors by parameter name / param_groups
+  rng.safetensors                                          torch CPU (and CUDA) RNG state
+  trainer_state.json                                       step, data position, wall time, tokens, config
+  MANIFEST.json                                            written last: size and sha256 of every other file
+It is written into a hidden temporary folder, every file fsynced, then renamed into place (and the parent fsynced),
+so a crash never leaves a half-written folder under a checkpoint name. Loading verifies the manifest; a damaged
+newest checkpoint is reported and the next newest intact one is used. Nothing is unpickled: safetensors and JSON.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "MANIFEST.json"
+FORMAT = 1
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _flatten_optimizer(osd: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors, scalars = {}, {}
+    for name, state in osd["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{name}\x1f{key}"] = value.contiguous()
+            else:
+                scalars[f"{name}\x1f{key}"] = value
+    return tensors, {"param_groups": osd["param_groups"], "scalars": scalars}
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state: dict[str, dict[str, Any]] = {}
+    for flat, value in list(tensors.items()) + list(meta["scalars"].items()):
+        name, key = flat.split("\x1f")
+        state.setdefault(name, {})[key] = value
+    groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def save(target: Path, *, model, model_sd: dict, optim_sd: dict, tokenizer, trainer_state: dict) -> Path:
+    """Write a checkpoint atomically to `target` (replacing an older one of the same name). Rank 0 only.
+
+    model: the unwrapped transformers model (for its config); model_sd, optim_sd: full CPU state dicts.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        model.save_pretrained(tmp, state_dict=dict(model_sd))  # a copy: save_pretrained consumes its dict
+        tokenizer.save_pretrained(tmp)
+        tensors, meta = _flatten_optimizer(optim_sd)
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        (tmp / "optimizer.json").write_text(json.dumps(meta, indent=1))
+        rng = {"torch_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["torch_cuda"] = torch.cuda.get_rng_state()
+        save_file(rng, str(tmp / "rng.safetensors"))
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        files = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            files[str(path.relative_to(tmp))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+        manifest = {"format": FORMAT, "step": trainer_state["step"], "files": files}
+        with open(tmp / MANIFEST, "w") as f:
+            f.write(json.dumps(manifest, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        old = None
+        if target.exists():  # a folder cannot be renamed onto a non-empty one: move the old one aside first
+            old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
+            os.replace(target, old)
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def verify(path: Path) -> str | None:
+    """None when the checkpoint is intact, else why not (missing manifest, missing file, size or hash mismatch)."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"{MANIFEST} is missing (the save did not finish)"
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return f"{MANIFEST} is not valid JSON"
+    if manifest.get("format") != FORMAT:
+        return f"unknown checkpoint format {manifest.get('format')!r}"
+    for rel, info in manifest["files"].items():
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size != info["size"]:
+            return f"{rel} has {f.stat().st_size} bytes, the manifest says {info['size']} (truncated?)"
+        if _sha256(f) != info["sha256"]:
+            return f"{rel} does not match its sha256 in the manifest (corrupted)"
+    return None
+
+
+def candidates(run_dir: Path) -> list[tuple[int, Path]]:
+    """Checkpoint folders of a run as (step, path), newest first (`final` counts with its step)."""
+    found = []
+    for p in list((Path(run_dir) / "checkpoints").glob("step-*")) + [Path(run_dir) / "final"]:
+        if not p.is_dir():
+            continue
+        try:
+            step = json.loads((p / MANIFEST).read_text())["step"] if (p / MANIFEST).is_file() \
+                else int(p.name.split("-")[1])
+        except (ValueError, IndexError, KeyError, json.JSONDecodeError):
+            step = -1
+        found.append((step, p))
+    return sorted(found, key=lambda sp: (sp[0], sp[1].name == "final"), reverse=True)
+
+
+def newest_intact(run_dir: Path, log=print) -> Path:
+    """The newest checkpoint that verifies; says which damaged ones it skipped. Raises if none is intact."""
+    found = candidates(run_dir)
+    if not found:
+        raise ValueError(f"--resume: no checkpoint in {run_dir} (looked in checkpoints/step-* and final/)")
+    for step, path in found:
+        problem = verify(path)
+        if problem is None:
+            return path
+        log(f"checkpoint {path} is damaged: {problem}; trying the next newest")
+    raise ValueError(f"--resume: no intact checkpoint in {run_dir}; every one failed verification (see above)")
+
+
+def load_training_state(path: Path) -> dict[str, Any]:
+    """Read a verified checkpoint: model and optimizer state dicts, RNG, trainer_state. No pickles."""
+    path = Path(path)
+    model_sd: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("model*.safetensors")):
+        model_sd.update(load_file(str(f)))
+    optim_sd = _unflatten_optimizer(load_file(str(path / "optimizer.safetensors")),
+                                    json.loads((path / "optimizer.json").read_text()))
+    return {"model": model_sd, "optimizer": optim_sd, "rng": load_file(str(path / "rng.safetensors")),
+            "trainer_state": json.loads((path / "trainer_state.json").read_text())}
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` step checkpoints (final/ is never deleted)."""
+    steps = sorted((Path(run_dir) / "checkpoints").glob("step-*"))
+    for old in steps[: max(len(steps) - keep, 0)]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,97 @@
+"""`affine-attention train` and `affine-attention compare`; heavy imports happen inside the handlers."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="tiny", help="preset name (tiny, kd-smollm2, paper-0.5b, paper-1b, "
+                   "paper-3b) or a TOML file; default: tiny")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key, e.g. --set train.steps=100 --set optim.lr=3e-4 (repeatable)")
+    p.add_argument("--out", default=None, help="run folder (default: train.out_dir, else runs/<command>-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact checkpoint")
+
+
+def add_commands(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train (or distil) a causal LM with one attention variant",
+                              description="Train one variant; under torchrun uses DDP or FSDP2 (train.parallel).")
+    _common(p)
+    p.add_argument("--dry-run", action="store_true", help="print parameter counts, tokens per step and a memory "
+                   "estimate; no data, no network")
+    p.add_argument("--world", type=int, default=None, help="--dry-run: number of GPUs to estimate for "
+                   "(default: $WORLD_SIZE or 1)")
+    p.set_defaults(func=_train)
+    c = subparsers.add_parser("compare", help="train every variant from the same start and summarise",
+                              description="Train each variant of [compare].variants with the same seed, initial "
+                              "weights and data order; write summary.json and summary.md. With no arguments runs "
+                              "the tiny preset offline.")
+    _common(c)
+    c.add_argument("--seeds", type=int, default=None, help="number of seeds (default: compare.seeds)")
+    c.add_argument("--no-report", dest="report", action="store_false",
+                   help="skip report.md / report.html (regenerate later with `affine-attention report RUN_DIR`)")
+    c.set_defaults(func=_compare)
+
+
+def _out_dir(args, cfg, command: str) -> str:
+    if args.out:
+        return args.out
+    if cfg.train.out_dir:
+        return cfg.train.out_dir
+    if args.resume:
+        raise ValueError("--resume needs the run folder: pass --out DIR (or set train.out_dir)")
+    return os.path.join("runs", f"{command}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _train(args) -> int:
+    from .config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.dry_run:
+        from .dryrun import dry_run, format_dry_run
+
+        world = args.world or int(os.environ.get("WORLD_SIZE", "1"))
+        print(format_dry_run(dry_run(cfg, world), cfg.variant.name))
+        return 0
+    from .distributed import teardown
+    from .loop import train
+
+    out = _out_dir(args, cfg, "train")
+    try:
+        result = train(cfg, out, resume=args.resume, log=lambda m: print(m, file=sys.stderr, flush=True))
+    finally:
+        teardown()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"run folder: {out}")
+        for key in ("final_train_loss", "heldout_loss", "heldout_ppl", "tokens_per_s", "wall_time_s"):
+            if result.get(key) is not None:
+                print(f"  {key}: {result[key]:.4f}")
+    return 0
+
+
+def _compare(args) -> int:
+    from .compare import compare
+    from .config import load_config
+    from .distributed import teardown
+
+    cfg = load_config(args.config, args.overrides)
+    out = _out_dir(args, cfg, "compare")
+    try:
+        compare(cfg, out, seeds=args.seeds, resume=args.resume, log=lambda m: print(m, file=sys.stderr, flush=True))
+    finally:
+        teardown()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print((__import__("pathlib").Path(out) / "summary.md").read_text())
+        if args.report:
+            try:
+                from ..analysis.report import write_report
+            except ModuleNotFoundError as err:
+                raise ValueError(f"writing the report needs {err.name} (pip install 'affine-attention[analysis]'); "
+                                 "or pass --no-report and run `affine-attention report RUN_DIR` later") from err
+            paths = write_report(out)
+            print(f"report: {paths['html']} (and {paths['md']})")
+        print(f"run folder: {out}")
+    return 0

@@ -1,0 +1,114 @@
+"""`compare`: train every variant of [compare].variants from the same initial weights and data order, per seed.
+
+For each seed k the unconverted base model is built once (seed = train.seed + k) and each variant trains a
+converted copy of it, so shared weights start identical; the data order depends only on the seed.
+Output layout (run_dir):
+  summary.json, summary.md       per variant: parameter overhead, final train loss, held-out loss and
+                                 perplexity, tokens/s, wall time (mean and sample std over seeds)
+  config.json                    the resolved config
+  <variant>/seed<k>/metrics.jsonl, result.json, final/   each run (see loop.py); final/ is transformers-loadable
+A report can be regenerated later from these files alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from .._environment import hardware, versions
+from .config import RunConfig, config_json
+
+METRICS = [("final_train_loss", "final train loss", "{:.4f}"), ("heldout_loss", "held-out loss", "{:.4f}"),
+           ("heldout_ppl", "held-out ppl", "{:.2f}"), ("tokens_per_s", "tokens/s", "{:,.0f}"),
+           ("wall_time_s", "wall time (s)", "{:.1f}")]
+
+
+def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return None, None
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def summarize(results: dict[str, list[dict[str, Any]]], baseline: str = "softmax") -> dict[str, Any]:
+    """Per variant mean/std of each metric over seeds, with the parameter overhead against `baseline`."""
+    base_params = results[baseline][0]["params"] if baseline in results else None
+    out: dict[str, Any] = {}
+    for variant, runs in results.items():
+        entry: dict[str, Any] = {"seeds": len(runs), "params": runs[0]["params"],
+                                 "param_overhead": runs[0]["params"] - base_params if base_params is not None else None}
+        for key, _, _ in METRICS:
+            mean, std = _mean_std([r.get(key) for r in runs])
+            entry[key] = {"mean": mean, "std": std, "values": [r.get(key) for r in runs]}
+        out[variant] = entry
+    if base_params is not None:
+        base_tps = out[baseline]["tokens_per_s"]["mean"]
+        for entry in out.values():
+            tps = entry["tokens_per_s"]["mean"]
+            entry["tokens_per_s_vs_baseline"] = tps / base_tps if tps and base_tps else None
+    return out
+
+
+def markdown(summary: dict[str, Any], title: str) -> str:
+    def cell(m: dict, fmt: str) -> str:
+        if m["mean"] is None:
+            return "-"
+        return fmt.format(m["mean"]) + (f" ± {fmt.format(m['std'])}" if m["std"] is not None else "")
+
+    head = ["variant", "Δparams"] + [label for _, label, _ in METRICS] + ["tok/s vs softmax"]
+    lines = [f"# {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for variant, e in summary.items():
+        over = "-" if e["param_overhead"] is None else f"{e['param_overhead']:,}"
+        ratio = e.get("tokens_per_s_vs_baseline")
+        row = [variant, over] + [cell(e[k], fmt) for k, _, fmt in METRICS] + ["-" if ratio is None else f"{ratio:.2f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    seeds = {e["seeds"] for e in summary.values()}
+    lines += ["", f"Mean ± sample std over {', '.join(map(str, sorted(seeds)))} seed(s) (no ± with one seed). "
+              "Final train loss: mean over the last 5% of steps. Held-out loss: mean next-token cross-entropy on "
+              "the eval source; perplexity = exp(loss). Wall time includes evaluation and checkpoints."]
+    return "\n".join(lines) + "\n"
+
+
+def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, resume: bool = False,
+            log=print) -> dict[str, Any]:
+    """Train every variant for every seed into out_dir and write summary.json / summary.md (see module doc)."""
+    from .distributed import setup
+    from .loop import train
+    from .model import build_base, variant_options
+    from .pretrained import load_tokenizer
+
+    out_dir = Path(out_dir)
+    seeds = seeds or cfg.compare.seeds
+    info = setup(cfg.train.device)
+    if info.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(config_json(cfg))
+    tok = load_tokenizer(cfg.data.tokenizer)
+    t0 = time.time()
+    results: dict[str, list[dict[str, Any]]] = {v: [] for v in cfg.compare.variants}
+    for k in range(seeds):
+        seed_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=cfg.train.seed + k))
+        base = build_base(cfg.model, seed_cfg.train.seed, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        for variant in cfg.compare.variants:
+            run_dir = out_dir / variant / f"seed{k}"
+            done = run_dir / "result.json"
+            if resume and done.is_file():
+                log(f"[compare] {variant} seed {k}: already done, reusing {done}")
+                results[variant].append(json.loads(done.read_text()))
+                continue
+            log(f"[compare] {variant} seed {k} -> {run_dir}")
+            partial = resume and (run_dir / "metrics.jsonl").is_file()
+            results[variant].append(train(seed_cfg, run_dir, resume=partial, base_model=base, variant=variant,
+                                          variant_options=variant_options(cfg, variant),
+                                          label=f"{variant} s{k}", log=log))
+    summary = {"variants": summarize(results), "seeds": seeds, "total_wall_time_s": time.time() - t0,
+               "config": cfg.to_dict(), "hardware": hardware(), "versions": versions()}
+    if info.is_main:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (out_dir / "summary.md").write_text(markdown(summary["variants"], f"compare: {out_dir.name}") +
+                                            f"\nTotal wall time: {summary['total_wall_time_s']:.0f} s.\n")
+    return summary

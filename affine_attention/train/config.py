@@ -1,0 +1,349 @@
+"""Typed training configuration: dataclasses per section, read from TOML, with unknown keys and bad types refused.
+
+A config file is TOML with the tables below ([model], [variant], [data], [data.train], [data.eval], [optim],
+[schedule], [train], [kd], [compare]); every key has a default, so a file names only what it changes.
+`--set a.b=value` overrides one key; the value is parsed as a TOML value (`3`, `1e-3`, `true`, `"x"`,
+`["softmax", "affine"]`) and falls back to a bare string, then checked against the field's type.
+Named presets (`tiny`, `kd-smollm2`, `paper-0.5b`, ...) live in the package folder `affine_attention/configs/`
+(package data, so they work after `pip install`); `configs/` at the repository root is a link to that folder for
+reading and editing. `--config NAME` finds a preset, `--config PATH` a file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+
+@dataclass
+class ModelConfig:
+    """The student architecture, built from scratch with transformers (no network: every size is written here)."""
+
+    arch: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama"
+    vocab_size: int = 4096  # must cover the tokenizer (checked at training time)
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)  # extra rope_parameters, e.g. Llama 3's {rope_type="llama3", ...}
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    attention_bias: bool = False  # llama/mistral/qwen3 only; qwen2 always has q/k/v biases (transformers fixes it)
+    extra: dict = field(default_factory=dict)  # passed to the transformers config unchanged (explicit escape hatch)
+
+
+@dataclass
+class VariantConfig:
+    """The attention variant `train` uses (see affine_attention.variants); `compare` takes [compare].variants."""
+
+    name: str = "affine"
+    options: dict = field(default_factory=dict)  # typed options of the variant, validated by the variant registry
+
+
+@dataclass
+class SourceConfig:
+    """Where documents come from. corpus: the embedded Shakespeare; files: local text/JSONL/parquet; hub: a dataset
+    name streamed with `datasets` (needs network)."""
+
+    kind: Literal["corpus", "files", "hub"] = "corpus"
+    split: str = "train"  # corpus: "train" or "validation"; hub/files: the datasets split name
+    paths: list[str] = field(default_factory=list)  # files: *.txt (one document per file), *.jsonl/*.json, *.parquet
+    name: str = ""  # hub: dataset name, e.g. "HuggingFaceFW/fineweb-edu"
+    subset: str = ""  # hub: configuration name, e.g. "sample-10BT"
+    revision: str = ""  # hub: git revision (pin it for reproducible runs)
+    text_field: str = "text"
+
+
+@dataclass
+class DataConfig:
+    tokenizer: str = "default"  # "default" (packaged 4096 BPE), a local folder, a hub name, a *.gguf file or an alias
+    seq_len: int = 128
+    separator: str = ""  # document separator token; "" = the tokenizer's eos token
+    shuffle: bool = True  # corpus and files sources: reshuffle packed sequences every epoch (hub streams keep order)
+    train: SourceConfig = field(default_factory=SourceConfig)
+    eval: SourceConfig = field(default_factory=lambda: SourceConfig(split="validation"))
+    eval_sequences: int = 32  # held-out sequences (the first ones of the eval source, in order)
+    eval_batch: int = 8
+    probe_sequences: int = 2  # fixed batch for the query-key logit probe (the first eval sequences)
+    token_cache_dir: str = "~/.cache/affine_attention/tokens"  # tokenised corpus/files arrays; "" disables
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    decay_embeddings: bool = False  # see optim.py: embeddings (and a head tied to them) get no decay by default
+    clip_grad_norm: float = 1.0  # 0 disables clipping (the pre-clip norm is logged either way)
+
+
+@dataclass
+class ScheduleConfig:
+    kind: Literal["wsd", "cosine", "constant"] = "wsd"
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2  # wsd: the last fraction of the steps decays
+    decay_shape: Literal["linear", "1-sqrt"] = "1-sqrt"  # wsd decay shape
+    min_lr_ratio: float = 0.0  # the factor reached at the end of the decay (wsd, cosine)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    global_batch: int = 16  # sequences per optimizer step over all ranks and micro-batches
+    micro_batch: int = 16  # sequences per forward on one rank; accumulation = global / (micro * world)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun
+    activation_checkpointing: bool = False
+    compile: bool = False
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    out_dir: str = ""  # "" -> runs/train-<timestamp>
+    log_every: int = 10  # plain progress lines when stderr is not a terminal
+    eval_every: int = 100  # held-out loss and the query-key logit probe; 0 = only at the end
+    checkpoint_every: int = 0  # 0 = only the final checkpoint
+    keep_checkpoints: int = 2  # newest N step checkpoints kept (the final one is always kept)
+
+
+@dataclass
+class KDConfig:
+    """Knowledge distillation: loss = kd_alpha * T^2 KL(teacher_T || student_T) + (1 - kd_alpha) * CE."""
+
+    enabled: bool = False
+    teacher: str = ""  # local folder, hub name, *.gguf file, or the alias "smollm2-135m-instruct-gguf"
+    teacher_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    temperature: float = 1.0
+    kd_alpha: float = 1.0
+    top_k: int = 0  # 0: full-vocabulary KL (live teacher only); k > 0: teacher renormalised on its top k
+    cache: bool = False  # store the teacher's top-k logits on disk once, reuse them in every run on the same data
+    cache_dir: str = "~/.cache/affine_attention/teacher-logits"
+    cache_shard_sequences: int = 256
+
+
+@dataclass
+class CompareConfig:
+    variants: list[str] = field(default_factory=lambda: ["softmax", "sink", "affine"])
+    seeds: int = 1
+    options: dict = field(default_factory=dict)  # per-variant options, e.g. {affine = {activation = "sigmoid"}}
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    variant: VariantConfig = field(default_factory=VariantConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    kd: KDConfig = field(default_factory=KDConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building dataclasses from plain dicts, with type checks and clear errors.
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if origin in (list,):
+        return f"a list of {_type_name(typing.get_args(hint)[0])}"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            dict: "a table"}.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            raise ValueError(f"config key {where!r} must be {_type_name(hint)}; got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return None if value is None else _convert(value, args[0], where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"config key {where!r} must be {_type_name(hint)}; got {value!r}")
+        inner = typing.get_args(hint)[0]
+        return [_convert(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+        dict: isinstance(value, dict),
+    }.get(hint)
+    if ok is None:
+        raise TypeError(f"unsupported config field type {hint!r} at {where!r}")
+    if not ok:
+        raise ValueError(f"config key {where!r} must be {_type_name(hint)}; got {value!r}")
+    return float(value) if hint is float else value
+
+
+def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
+    """Build dataclass `cls` from `data`; unknown keys and wrong types raise ValueError listing the valid keys."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        prefix = f"{where}." if where else ""
+        table = f"[{where}]" if where else "the top level"
+        raise ValueError(f"unknown config key(s) {[prefix + k for k in unknown]} in {table}; "
+                         f"valid keys: {', '.join(sorted(fields))}")
+    hints = typing.get_type_hints(cls)
+    base = cls()
+    for name, value in data.items():
+        key = f"{where}.{name}" if where else name
+        if dataclasses.is_dataclass(hints[name]):
+            if not isinstance(value, dict):
+                raise ValueError(f"config key {key!r} must be a table, got {value!r}")
+            # Nested tables merge key by key over the field's default (e.g. [data.eval] keeps split="validation").
+            merged = dataclasses.asdict(getattr(base, name))
+            merged.update(value)
+            value = from_dict(hints[name], merged, key)
+        else:
+            value = _convert(value, hints[name], key)
+        setattr(base, name, value)
+    return base
+
+
+def _parse_value(text: str) -> Any:
+    """A --set value: a TOML value when it parses as one, else the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=value` overrides to a raw config dict (typed later by from_dict)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set expects key=value (e.g. train.steps=100), got {item!r}")
+        key, text = item.split("=", 1)
+        parts = [p for p in key.strip().split(".")]
+        if not all(parts):
+            raise ValueError(f"--set key {key!r} is not a dotted key such as optim.lr")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {key}: {p!r} is not a table")
+        node[parts[-1]] = _parse_value(text.strip())
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Presets and files.
+
+def _preset_dirs() -> list[Path]:
+    here = Path(__file__).resolve().parent.parent  # the affine_attention package
+    return [here / "configs"]
+
+
+def preset_names() -> list[str]:
+    names = set()
+    for d in _preset_dirs():
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.toml"))
+    return sorted(names)
+
+
+def resolve_config_path(spec: str) -> Path:
+    """A file path, or the name of a preset (package folder first, then the repository's configs/)."""
+    p = Path(spec).expanduser()
+    if p.is_file():
+        return p
+    if "/" not in spec and not spec.endswith(".toml"):
+        for d in _preset_dirs():
+            if (d / f"{spec}.toml").is_file():
+                return d / f"{spec}.toml"
+    raise ValueError(f"config {spec!r} is neither a file nor a preset name; presets: {', '.join(preset_names())}")
+
+
+def load_config(spec: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a preset or TOML file (default: the `tiny` preset), apply --set overrides, type-check, validate."""
+    path = resolve_config_path(spec or "tiny")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path}: not valid TOML: {err}") from None
+    return config_from_dict(apply_overrides(data, list(overrides or [])), source=str(path))
+
+
+def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> RunConfig:
+    try:
+        cfg = from_dict(RunConfig, data)
+        validate(cfg)
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks that need no torch: sizes positive, batch arithmetic, KD settings coherent."""
+    t, d, k, m = cfg.train, cfg.data, cfg.kd, cfg.model
+    for where, value in (("train.steps", t.steps), ("train.global_batch", t.global_batch),
+                         ("train.micro_batch", t.micro_batch), ("data.seq_len", d.seq_len),
+                         ("data.eval_batch", d.eval_batch), ("model.vocab_size", m.vocab_size),
+                         ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads)):
+        if value <= 0:
+            raise ValueError(f"{where} must be positive, got {value}")
+    if t.global_batch % t.micro_batch:
+        raise ValueError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch "
+                         f"({t.micro_batch}) times the number of ranks")
+    if m.num_heads % m.num_kv_heads:
+        raise ValueError(f"model.num_heads ({m.num_heads}) must be a multiple of model.num_kv_heads ({m.num_kv_heads})")
+    if not m.head_dim and m.hidden_size % m.num_heads:
+        raise ValueError(f"model.hidden_size ({m.hidden_size}) is not divisible by model.num_heads ({m.num_heads}); "
+                         "set model.head_dim")
+    for src, name in ((d.train, "data.train"), (d.eval, "data.eval")):
+        if src.kind == "files" and not src.paths:
+            raise ValueError(f"{name}.kind = 'files' needs {name}.paths (a list of files or glob patterns)")
+        if src.kind == "hub" and not src.name:
+            raise ValueError(f"{name}.kind = 'hub' needs {name}.name (a datasets hub name)")
+        if src.kind == "corpus" and src.split not in ("train", "validation"):
+            raise ValueError(f"{name}.split must be 'train' or 'validation' for the embedded corpus, got {src.split!r}")
+    if k.enabled:
+        if not k.teacher:
+            raise ValueError("kd.enabled = true needs kd.teacher (a folder, hub name, *.gguf file or alias)")
+        if not 0.0 <= k.kd_alpha <= 1.0:
+            raise ValueError(f"kd.kd_alpha must lie in [0, 1], got {k.kd_alpha}")
+        if k.temperature <= 0:
+            raise ValueError(f"kd.temperature must be positive, got {k.temperature}")
+        if k.top_k < 0:
+            raise ValueError(f"kd.top_k must be >= 0, got {k.top_k}")
+        if k.cache and k.top_k == 0:
+            raise ValueError("kd.cache = true stores top-k teacher logits: set kd.top_k (e.g. 64)")
+    if cfg.schedule.warmup_steps < 0 or not 0.0 <= cfg.schedule.decay_fraction <= 1.0:
+        raise ValueError("schedule.warmup_steps must be >= 0 and schedule.decay_fraction in [0, 1]")
+    if t.keep_checkpoints < 1 or t.checkpoint_every < 0 or t.eval_every < 0:
+        raise ValueError("train.keep_checkpoints must be >= 1, train.checkpoint_every and train.eval_every >= 0")
+    if len(cfg.optim.betas) != 2:
+        raise ValueError(f"optim.betas must have two numbers, got {cfg.optim.betas}")
+    if not cfg.compare.variants:
+        raise ValueError("compare.variants must name at least one variant")
+    if cfg.compare.seeds <= 0:
+        raise ValueError(f"compare.seeds must be positive, got {cfg.compare.seeds}")
+
+
+def config_json(cfg: RunConfig) -> str:
+    """The resolved config as canonical JSON (saved with each run and checkpoint; used for resume checks)."""
+    return json.dumps(cfg.to_dict(), indent=2, sort_keys=True)

@@ -1,0 +1,319 @@
+"""Training data: documents -> tokens -> packed sequences of seq_len + 1 tokens, deterministic and resumable.
+
+Packing: every document is tokenised without special tokens and followed by the separator (eos unless
+data.separator names another token), and the documents are concatenated into one stream. Sequence i is
+stream[i*T : i*T + T + 1] (T = seq_len): its first T tokens are the inputs and its last T the targets, so
+consecutive sequences share one token and every stream token after the first is predicted exactly once. Attention is not blocked at separators (standard packing).
+
+Two kinds of source:
+- in memory (`corpus`, `files`): the whole stream is tokenised once (cached as an .npy keyed by the tokenizer
+  and a hash of the text), cut into a fixed list of sequences, and each epoch visits them in a permutation drawn
+  from (seed, epoch). The position is a single integer: sequences consumed so far.
+- streamed (`hub`: a `datasets` hub name or builder, read with streaming=True): documents in source order, no
+  shuffling; the position is (epoch, documents consumed, unemitted tokens, sequences emitted in the epoch), and a
+  resume skips the consumed documents. Each epoch starts from an empty buffer, so every epoch yields the same
+  sequences.
+Every sequence has an id (its index in the fixed list, or its index within the epoch for streams): the KD teacher
+cache is keyed by it. All ranks read the same global batch and keep their own rows, so the data order and the
+result do not depend on the number of ranks.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import DataConfig, SourceConfig
+from .pretrained import tokenizer_fingerprint
+
+TOKENIZE_BATCH = 32  # documents per tokenizer call
+
+
+# --- documents -------------------------------------------------------------------------------------------------
+
+def _expand(paths: list[str]) -> list[Path]:
+    out: list[Path] = []
+    for pattern in paths:
+        matches = sorted(glob.glob(os.path.expanduser(pattern)))
+        if not matches:
+            raise ValueError(f"data file pattern {pattern!r} matches no file")
+        out.extend(Path(m) for m in matches)
+    return out
+
+
+def _file_documents(path: Path, text_field: str) -> Iterator[str]:
+    suffix = path.suffix.lower()
+    if suffix in (".txt", ".md"):
+        yield path.read_text(encoding="utf-8")
+    elif suffix in (".jsonl", ".json"):
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                obj = json.loads(line)
+                if not isinstance(obj, dict) or text_field not in obj:
+                    raise ValueError(f"{path}:{n}: expected a JSON object with a {text_field!r} field "
+                                     "(set data.*.text_field)")
+                yield obj[text_field]
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(path)
+        if text_field not in pf.schema_arrow.names:
+            raise ValueError(f"{path}: no column {text_field!r}; columns: {pf.schema_arrow.names}")
+        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+            yield from batch.column(0).to_pylist()
+    else:
+        raise ValueError(f"{path}: unsupported file type {suffix!r}; use .txt (one document per file), "
+                         ".jsonl/.json (one JSON object per line) or .parquet")
+
+
+def documents(src: SourceConfig, skip: int = 0) -> Iterator[str]:
+    """The documents of a source in their fixed order, after skipping the first `skip`."""
+    if src.kind == "corpus":
+        from .corpus import corpus_texts
+
+        yield from corpus_texts(src.split)[skip:]
+    elif src.kind == "files":
+        it = (doc for p in _expand(src.paths) for doc in _file_documents(p, src.text_field))
+        for i, doc in enumerate(it):
+            if i >= skip:
+                yield doc
+    else:
+        from datasets import load_dataset
+
+        kwargs: dict[str, Any] = {"split": src.split, "streaming": True}
+        if src.revision:
+            kwargs["revision"] = src.revision
+        if src.paths:  # a builder ("json", "parquet", "text") over local or remote files
+            kwargs["data_files"] = src.paths
+        ds = load_dataset(src.name, src.subset or None, **kwargs)
+        if skip:
+            ds = ds.skip(skip)
+        for ex in ds:
+            if src.text_field not in ex:
+                raise ValueError(f"dataset {src.name!r} has no field {src.text_field!r}; fields: {sorted(ex)}")
+            yield ex[src.text_field]
+
+
+def separator_id(tok, separator: str = "") -> int:
+    """Id of the document separator: `separator` when given (it must be one token of the vocabulary), else eos."""
+    if not separator:
+        return tok.eos_token_id
+    sep = tok.convert_tokens_to_ids(separator)
+    if sep is None or tok.convert_ids_to_tokens(sep) != separator:  # unknown strings map to unk
+        raise ValueError(f"data.separator {separator!r} is not a token of the tokenizer; use one of its special "
+                         f"tokens, e.g. {tok.eos_token!r}, or leave it empty for eos")
+    return sep
+
+
+def tokenize_documents(tok, docs: list[str], sep: int) -> list[list[int]]:
+    """Token ids of each document, no special tokens added, each followed by the separator id `sep`."""
+    ids = tok(docs, add_special_tokens=False, verbose=False)["input_ids"]
+    return [list(x) + [sep] for x in ids]
+
+
+def source_identity(src: SourceConfig) -> dict[str, Any]:
+    """What identifies a streamed source in cache keys (in-memory sources are keyed by a hash of their text)."""
+    return {"kind": src.kind, "name": src.name, "subset": src.subset, "split": src.split, "revision": src.revision,
+            "paths": list(src.paths), "text_field": src.text_field}
+
+
+# --- in-memory sources -----------------------------------------------------------------------------------------
+
+def token_stream(src: SourceConfig, tok, cache_dir: str, sep: int) -> tuple[np.ndarray, str]:
+    """(tokens int32 (N,), key) for an in-memory source; the key hashes the tokenizer, the separator and every
+    document's text."""
+    docs = list(documents(src))
+    if not docs:
+        raise ValueError(f"data source {source_identity(src)} has no documents")
+    h = hashlib.sha256(f"{tokenizer_fingerprint(tok)}:{sep}".encode())
+    for d in docs:
+        h.update(hashlib.sha256(d.encode()).digest())
+    key = h.hexdigest()
+    path = Path(cache_dir).expanduser() / f"{key}.npy" if cache_dir else None
+    if path is not None and path.is_file():
+        return np.load(path, allow_pickle=False), key
+    chunks = []
+    for i in range(0, len(docs), TOKENIZE_BATCH):
+        chunks.extend(np.asarray(x, dtype=np.int32) for x in tokenize_documents(tok, docs[i:i + TOKENIZE_BATCH], sep))
+    tokens = np.concatenate(chunks)
+    if path is not None:  # write-then-rename: a concurrent reader never sees half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, tokens, allow_pickle=False)
+        os.replace(tmp, path)
+    return tokens, key
+
+
+class PackedArray:
+    """A fixed list of packed sequences over an in-memory token stream, visited in per-epoch permutations."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, shuffle: bool, key: str):
+        self.tokens, self.T, self.seed, self.shuffle, self.key = tokens, seq_len, seed, shuffle, key
+        self.n = (len(tokens) - 1) // seq_len
+        if self.n < 1:
+            raise ValueError(f"the data has {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}")
+        self.position = 0  # sequences consumed
+        self._perm_epoch, self._perm = -1, None
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = (np.random.default_rng([self.seed, epoch]).permutation(self.n) if self.shuffle
+                          else np.arange(self.n))
+            self._perm_epoch = epoch
+        return self._perm
+
+    def rows(self, ids: np.ndarray) -> torch.Tensor:
+        """(len(ids), T + 1) int64 tokens of the given sequence ids."""
+        starts = ids.astype(np.int64) * self.T
+        idx = starts[:, None] + np.arange(self.T + 1)[None, :]
+        return torch.from_numpy(self.tokens[idx].astype(np.int64))
+
+    def take(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next `count` sequences: tokens (count, T + 1) int64 and their ids (count,) int64."""
+        ids = []
+        for g in range(self.position, self.position + count):
+            ids.append(self._order(g // self.n)[g % self.n])
+        self.position += count
+        ids = np.asarray(ids, dtype=np.int64)
+        return self.rows(ids), torch.from_numpy(ids)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "array", "position": self.position, "n": self.n, "key": self.key}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != "array" or state.get("key") != self.key or state.get("n") != self.n:
+            raise ValueError("the checkpoint's data position belongs to different data (tokenizer, text or "
+                             "seq_len changed); resume with the run's original data settings")
+        self.position = int(state["position"])
+
+    def epoch(self) -> int:
+        return self.position // self.n
+
+
+# --- streamed sources ------------------------------------------------------------------------------------------
+
+class PackedStream:
+    """Packed sequences from a streamed source, in source order; resumable from (epoch, docs, buffer, seq)."""
+
+    def __init__(self, src: SourceConfig, tok, seq_len: int, sep: int):
+        self.src, self.tok, self.T, self.sep = src, tok, seq_len, sep
+        self.key = hashlib.sha256(json.dumps({"src": source_identity(src), "tok": tokenizer_fingerprint(tok),
+                                              "sep": sep}, sort_keys=True).encode()).hexdigest()
+        self._state = {"epoch": 0, "docs": 0, "buffer": [], "seq": 0}
+        self._docs: Iterator[str] | None = None
+
+    def _fill(self) -> bool:
+        """Tokenise the next documents into the buffer; False when the epoch's documents are exhausted."""
+        if self._docs is None:
+            self._docs = documents(self.src, skip=self._state["docs"])
+        batch = []
+        for doc in self._docs:
+            batch.append(doc)
+            if len(batch) == TOKENIZE_BATCH:
+                break
+        if not batch:
+            return False
+        for ids in tokenize_documents(self.tok, batch, self.sep):
+            self._state["buffer"].extend(ids)
+        self._state["docs"] += len(batch)
+        return True
+
+    def take(self, count: int, *, single_epoch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, ids, s = [], [], self._state
+        while len(rows) < count:
+            if len(s["buffer"]) >= self.T + 1:
+                rows.append(s["buffer"][: self.T + 1])
+                ids.append(s["seq"])
+                del s["buffer"][: self.T]  # the last token starts the next sequence
+                s["seq"] += 1
+                continue
+            if self._fill():
+                continue
+            if s["seq"] == 0 or single_epoch:
+                raise ValueError(f"data source {source_identity(self.src)} holds only {s['seq']} sequences of "
+                                 f"{self.T + 1} tokens, {count - len(rows)} too few")
+            # Epoch end: the partial buffer is dropped so every epoch yields the same sequences.
+            self._state = s = {"epoch": s["epoch"] + 1, "docs": 0, "buffer": [], "seq": 0}
+            self._docs = None
+        return torch.tensor(rows, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "stream", "key": self.key, **{k: (list(v) if k == "buffer" else v)
+                                                      for k, v in self._state.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != "stream" or state.get("key") != self.key:
+            raise ValueError("the checkpoint's data position belongs to a different data source or tokenizer")
+        self._state = {k: (list(state[k]) if k == "buffer" else int(state[k])) for k in ("epoch", "docs", "buffer",
+                                                                                           "seq")}
+        self._docs = None
+
+    def epoch(self) -> int:
+        return self._state["epoch"]
+
+
+# --- what the trainer uses -------------------------------------------------------------------------------------
+
+def open_source(src: SourceConfig, tok, cfg: DataConfig, seed: int, *, shuffle: bool):
+    """A PackedArray (corpus, files) or PackedStream (hub) for `src`."""
+    sep = separator_id(tok, cfg.separator)
+    if src.kind == "hub":
+        return PackedStream(src, tok, cfg.seq_len, sep)
+    tokens, key = token_stream(src, tok, cfg.token_cache_dir, sep)
+    return PackedArray(tokens, cfg.seq_len, seed, shuffle, key=f"{key}:{cfg.seq_len}")
+
+
+def data_key(source, seq_len: int) -> str:
+    """Identifies the sequence-id space of a source (the KD cache namespace): same key, same sequence per id."""
+    return hashlib.sha256(f"{source.key}:{seq_len}".encode()).hexdigest()
+
+
+def eval_sequences(src: SourceConfig, tok, cfg: DataConfig, count: int) -> torch.Tensor:
+    """The first `count` sequences of `src` in order: (count, T + 1) int64 (held-out loss and probe batch)."""
+    source = open_source(src, tok, cfg, seed=0, shuffle=False)
+    if isinstance(source, PackedArray):
+        if count > source.n:
+            raise ValueError(f"data.eval_sequences = {count} but the eval source holds only {source.n} sequences "
+                             f"of {cfg.seq_len + 1} tokens")
+        return source.rows(np.arange(count))
+    return source.take(count, single_epoch=True)[0]
+
+
+class TrainBatches:
+    """Global batches for the trainer. Every rank draws the same global batch of G rows. A step runs A = G / (m W)
+    accumulation rounds (m = micro_batch, W = ranks); round i covers global rows [i m W, (i + 1) m W) and rank r takes
+    the r-th m rows of it. So each forward round sees the same rows for any W with the same m W: a single process
+    with micro_batch = m W reproduces W ranks exactly, including alpha_ma, which is updated once per forward round
+    from the mean over all ranks' rows.
+    """
+
+    def __init__(self, source, global_batch: int, micro_batch: int, rank: int, world: int):
+        if global_batch % (micro_batch * world):
+            raise ValueError(f"train.global_batch ({global_batch}) must be a multiple of train.micro_batch "
+                             f"({micro_batch}) x ranks ({world})")
+        self.source, self.global_batch, self.micro, self.rank, self.world = source, global_batch, micro_batch, rank, world
+        rounds = global_batch // (micro_batch * world)
+        self.rows = torch.tensor([i * micro_batch * world + rank * micro_batch + j
+                                  for i in range(rounds) for j in range(micro_batch)])
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the next global batch, micro-batch after micro-batch: tokens (L, T + 1) int64 and
+        sequence ids (L,) int64, L = global_batch / ranks."""
+        tokens, ids = self.source.take(self.global_batch)
+        return tokens[self.rows], ids[self.rows]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.source.load_state_dict(state)

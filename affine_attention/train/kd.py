@@ -1,0 +1,144 @@
+"""Knowledge distillation: forward KL(teacher || student) with temperature, a live or cached teacher, vocab checks.
+
+Loss = kd_alpha * T^2 * KL(softmax(z_t / T) || softmax(z_s / T)) + (1 - kd_alpha) * CE(z_s, targets), averaged over
+tokens. T^2 keeps the gradient scale independent of T (Hinton et al. 2015).
+
+Top-k approximation (kd.top_k = k > 0): only the teacher's k largest logits per token are used (and cached). The
+teacher distribution is renormalised on that support, p~_j = softmax_j(v_j / T) over the k kept values, and the
+student keeps its full-vocabulary log-probabilities: KL~ = sum_{j in top-k} p~_j (log p~_j - log q_j). This is exact
+when the teacher puts no mass outside its top k; otherwise it drops the tail's contribution and slightly
+over-weights the head. KL~ >= 0, and it is 0 only when the student matches p~ exactly on the support.
+The cached and the live teacher give identical values for the same k (the cache stores the teacher's own dtype).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .config import KDConfig
+from .pretrained import load_causal_lm, load_tokenizer, resolve, teacher_identity
+
+
+def kd_loss_full(student_logits: Tensor, teacher_logits: Tensor, temperature: float) -> Tensor:
+    """T^2 * mean over tokens of KL(p_t || q_s). student_logits, teacher_logits: (..., V). Returns a float32 scalar."""
+    t = temperature
+    log_q = F.log_softmax(student_logits.float() / t, dim=-1).flatten(0, -2)
+    log_p = F.log_softmax(teacher_logits.float() / t, dim=-1).flatten(0, -2)
+    return (t * t) * F.kl_div(log_q, log_p, log_target=True, reduction="sum") / log_q.shape[0]
+
+
+def kd_loss_topk(student_logits: Tensor, values: Tensor, indices: Tensor, temperature: float) -> Tensor:
+    """Top-k KD (module docstring). student_logits: (..., V); values, indices: (..., k) teacher logits and ids."""
+    t = temperature
+    log_q = F.log_softmax(student_logits.float() / t, dim=-1).gather(-1, indices.long())  # (..., k)
+    log_p = F.log_softmax(values.float() / t, dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return (t * t) * kl.mean()
+
+
+def ce_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy: logits (B, T, V), targets (B, T) int64."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def vocab_fingerprint(tok) -> tuple[str, int]:
+    """(sha256 of the token -> id map, its size): equal maps mean equal vocabularies."""
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest(), len(vocab)
+
+
+def check_vocab(teacher_spec: str, teacher_fp: tuple[str, int], teacher_dim: int, student_spec: str,
+                student_fp: tuple[str, int], student_dim: int) -> None:
+    """Refuse a teacher whose tokenizer or output size differs from the student's, saying how to fix it."""
+    if teacher_fp[0] != student_fp[0]:
+        raise ValueError(
+            f"the KD teacher's vocabulary differs from the student's: teacher {teacher_spec!r} has a "
+            f"{teacher_fp[1]}-token vocabulary, the student's tokenizer {student_spec!r} a different "
+            f"{student_fp[1]}-token one. KD compares the two distributions token by token, so both must share one "
+            f"tokenizer: set data.tokenizer = {teacher_spec!r} and model.vocab_size = {teacher_dim}")
+    if teacher_dim != student_dim:
+        raise ValueError(f"the KD teacher outputs {teacher_dim} logits per token but the student {student_dim}; "
+                         f"set model.vocab_size = {teacher_dim}")
+
+
+def teacher_dtype(cfg: KDConfig, device: torch.device) -> torch.dtype:
+    if cfg.teacher_dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.teacher_dtype]
+
+
+class Teacher:
+    """Teacher targets for a micro-batch: live forwards, or the on-disk top-k cache filled on first use.
+
+    The model is loaded only when some sequence is not cached, so a run on fully cached data never loads it.
+    """
+
+    def __init__(self, cfg: KDConfig, *, student_tok, student_tok_spec: str, student_vocab: int, data_key: str,
+                 seq_len: int, device: torch.device, rank: int = 0):
+        self.cfg, self.device, self.rank = cfg, device, rank
+        self.dtype = teacher_dtype(cfg, device)
+        self._model = None
+        self.cache = None
+        student_fp = vocab_fingerprint(student_tok)
+        meta = None
+        if cfg.cache:
+            from .teacher_cache import TeacherCache
+
+            key = {"format": 1, "data": data_key, "seq_len": seq_len, "teacher": teacher_identity(cfg.teacher),
+                   "top_k": cfg.top_k, "dtype": str(self.dtype)}
+            self.cache = TeacherCache(cfg.cache_dir, key, shard_sequences=cfg.cache_shard_sequences, rank=rank)
+            meta = self.cache.teacher_meta()
+        if meta is None:  # read the teacher's tokenizer and output size (config only, no weights)
+            from transformers import AutoConfig
+
+            t_tok = student_tok if cfg.teacher == student_tok_spec else load_tokenizer(cfg.teacher)
+            path, kwargs = resolve(cfg.teacher)
+            t_cfg = AutoConfig.from_pretrained(path, **kwargs)
+            fp = vocab_fingerprint(t_tok)
+            meta = {"vocab_sha256": fp[0], "vocab_size": fp[1], "logits_dim": int(t_cfg.get_text_config().vocab_size)}
+            if self.cache is not None:
+                self.cache.set_teacher_meta(meta)
+        check_vocab(cfg.teacher, (meta["vocab_sha256"], meta["vocab_size"]), meta["logits_dim"], student_tok_spec,
+                    student_fp, student_vocab)
+
+    @property
+    def model(self):
+        if self._model is None:
+            self._model = load_causal_lm(self.cfg.teacher, self.dtype, self.device)
+        return self._model
+
+    @torch.no_grad()
+    def _forward(self, inputs: Tensor) -> dict[str, Tensor]:
+        logits = self.model(input_ids=inputs.to(self.device)).logits  # (B, T, V)
+        if self.cfg.top_k == 0:
+            return {"logits": logits}
+        values, indices = logits.topk(self.cfg.top_k, dim=-1)
+        return {"values": values, "indices": indices.to(torch.int32)}
+
+    def targets(self, inputs: Tensor, ids: Tensor) -> dict[str, Tensor]:
+        """inputs: (B, T) int64, ids: (B,) sequence ids -> {"logits": (B, T, V)} or {"values", "indices": (B, T, k)}."""
+        if self.cache is None:
+            return self._forward(inputs)
+        found = self.cache.get(ids.tolist())
+        missing = [i for i, row in enumerate(found) if row is None]
+        if missing:
+            fresh = self._forward(inputs[missing])
+            self.cache.put(ids[missing].tolist(), fresh["values"].cpu(), fresh["indices"].cpu())
+            for j, i in enumerate(missing):
+                found[i] = (fresh["values"][j].cpu(), fresh["indices"][j].cpu())
+        values = torch.stack([v for v, _ in found]).to(self.device)
+        indices = torch.stack([x for _, x in found]).to(self.device)
+        return {"values": values, "indices": indices}
+
+    def loss(self, student_logits: Tensor, targets: dict[str, Tensor]) -> Tensor:
+        if "logits" in targets:
+            return kd_loss_full(student_logits, targets["logits"], self.cfg.temperature)
+        return kd_loss_topk(student_logits, targets["values"], targets["indices"], self.cfg.temperature)
+
+    def flush(self) -> None:
+        if self.cache is not None:
+            self.cache.flush()

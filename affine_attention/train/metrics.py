@@ -1,0 +1,207 @@
+"""Training metrics: the JSONL log, the progress display, variant statistics and the query-key logit probe.
+
+metrics.jsonl holds one JSON object per line, tagged by "kind":
+  config  first line: the resolved config and run facts (parameters, tokens per step, world size)
+  train   every step: step (optimizer updates done, from 1), loss, ce_loss, kd_loss (KD runs), lr, grad_norm (global
+          L2 norm before clipping), tokens_per_s, wall_time (s since the run began, across resumes), tokens;
+          affine: alpha_mean, alpha_std (per layer, over heads and tokens of this step's batches, all ranks) and
+          alpha_ma (per layer, mean over heads); sink: sinks (per layer, mean over heads)
+  eval    at step 0, every train.eval_every steps and at the end: heldout_loss, heldout_ppl, qk_logit_mean,
+          qk_logit_abs_mean (and their per-layer lists), alpha_ma / sinks per layer and head
+  resume  where a resumed run continued; end: the final record (alpha_ma equality across ranks, totals)
+Query-key logits (paper Fig. 2): forward pre-hooks on every attention-variant module capture the q and k it receives
+(after projections, q/k norms and RoPE: exactly what the attention op sees), and the logits q.k^T * scale (the
+softmax input, affine_attention.ops.attention_logits) are averaged over the keys each query may see, over heads,
+query positions, probe sequences and layers, in float32, in eval mode on the fixed probe batch.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..ops import attention_logits, visible_mask
+from ..variants import AffineAttention, AttentionVariant, SinkAttention
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a parameter that may be an FSDP2 DTensor (collective in that case)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def variant_modules(model: nn.Module) -> list[AttentionVariant]:
+    return [m for m in model.modules() if isinstance(m, AttentionVariant)]
+
+
+class MetricsLog:
+    """Append-only JSONL writer (rank 0); `truncate_after` drops records past a resumed step."""
+
+    def __init__(self, path: Path, enabled: bool = True):
+        self.path, self.enabled = Path(path), enabled
+
+    def truncate_after(self, step: int) -> None:
+        if not self.enabled or not self.path.exists():
+            return
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by the kill
+            if rec.get("kind") == "end" or rec.get("step", -1) > step:
+                continue
+            keep.append(line)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record, allow_nan=True) + "\n")
+
+
+class AlphaStats:
+    """Per-layer sums of alpha, alpha^2 and counts over the training forwards of one step (hooks)."""
+
+    def __init__(self, model: nn.Module):
+        self.mods = [m for m in variant_modules(model) if isinstance(m, AffineAttention)]
+        self.acc = torch.zeros(len(self.mods), 3, dtype=torch.float64)
+        self.handles = [m.register_forward_hook(self._hook(i), with_kwargs=True) for i, m in enumerate(self.mods)]
+
+    def _hook(self, i: int):
+        def hook(module, args, kwargs, output):
+            # Skip eval forwards and activation-checkpointing recomputations (inside backward).
+            if not module.training or torch._C._current_graph_task_id() != -1:
+                return
+            x = args[3] if len(args) > 3 else kwargs["x"]  # forward(q, k, v, x, ...)
+            with torch.no_grad():
+                a = module.compute_alpha(x.detach()).double()  # (B, Hq, T)
+                self.acc[i] += torch.stack([a.sum(), (a * a).sum(), a.new_tensor(a.numel())]).cpu()
+        return hook
+
+    def collect(self, info) -> dict[str, list[float]]:
+        """alpha_mean/alpha_std per layer over all ranks, then reset. Collective under torchrun."""
+        if not self.mods:
+            return {}
+        from .distributed import all_reduce_sum
+
+        acc = all_reduce_sum(self.acc.to(info.device), info).cpu()  # nccl reduces only device tensors
+        self.acc.zero_()
+        n = acc[:, 2].clamp(min=1)
+        mean = acc[:, 0] / n
+        std = (acc[:, 1] / n - mean * mean).clamp(min=0).sqrt()
+        return {"alpha_mean": mean.tolist(), "alpha_std": std.tolist(),
+                "alpha_ma": [float(m.alpha_ma.float().mean()) for m in self.mods]}
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def sink_logits(model: nn.Module) -> list[list[float]]:
+    """Learned sink logits per layer and head (empty when the model has none). Collective under FSDP2."""
+    return [_local(m.sinks.detach()).float().tolist() for m in variant_modules(model)
+            if isinstance(m, SinkAttention) and isinstance(m.sinks, nn.Parameter)]
+
+
+def alpha_ma_per_head(model: nn.Module) -> list[list[float]]:
+    return [m.alpha_ma.float().tolist() for m in variant_modules(model) if isinstance(m, AffineAttention)]
+
+
+@torch.no_grad()
+def qk_logit_probe(model: nn.Module, tokens: torch.Tensor, autocast) -> dict[str, Any]:
+    """Mean and mean |.| of visible query-key logits (module docstring). tokens: (N, T) int64 on the model's device."""
+    mods = variant_modules(model)
+    if not mods:
+        raise ValueError("the query-key logit probe needs a converted model (no attention-variant modules found)")
+    sums = torch.zeros(len(mods), 3, dtype=torch.float64)
+
+    def pre_hook(i):
+        def hook(module, args, kwargs):
+            q = args[0] if len(args) > 0 else kwargs["q"]
+            k = args[1] if len(args) > 1 else kwargs["k"]
+            D = q.shape[-1]
+            scale = kwargs.get("scale")
+            vis = visible_mask(kwargs.get("attn_mask"), bool(kwargs.get("is_causal", False)), q.shape[2],
+                               k.shape[2], q.device)
+            for b in range(q.shape[0]):  # one sequence at a time bounds memory at Hq x T x S
+                logits = attention_logits(q[b:b + 1].float(), k[b:b + 1].float(),
+                                          scale=scale if scale is not None else D ** -0.5,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+                vb = (vis[b:b + 1] if vis.shape[0] > 1 else vis).expand_as(logits)
+                sel = logits[vb].double()
+                sums[i] += torch.stack([sel.sum(), sel.abs().sum(), sel.new_tensor(sel.numel())]).cpu()
+        return hook
+
+    handles = [m.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, m in enumerate(mods)]
+    try:
+        with autocast():
+            model(input_ids=tokens)
+    finally:
+        for h in handles:
+            h.remove()
+    n = sums[:, 2].clamp(min=1)
+    total = sums.sum(0)
+    return {"qk_logit_mean": float(total[0] / total[2]), "qk_logit_abs_mean": float(total[1] / total[2]),
+            "qk_logit_mean_per_layer": (sums[:, 0] / n).tolist(),
+            "qk_logit_abs_mean_per_layer": (sums[:, 1] / n).tolist()}
+
+
+@torch.no_grad()
+def heldout_loss(model: nn.Module, sequences: torch.Tensor, batch: int, autocast) -> float:
+    """Mean next-token cross-entropy over sequences (N, T + 1) int64 (on the model's device)."""
+    import torch.nn.functional as F
+
+    total, count = 0.0, 0
+    for i in range(0, sequences.shape[0], batch):
+        chunk = sequences[i:i + batch]
+        with autocast():
+            logits = model(input_ids=chunk[:, :-1]).logits
+        total += float(F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"))
+        count += chunk[:, 1:].numel()
+    return total / count
+
+
+class Progress:
+    """tqdm bar (loss, tok/s, ETA) on a terminal; plain lines every `every` steps otherwise. Rank 0 only."""
+
+    def __init__(self, total: int, start: int, every: int, enabled: bool, label: str = "train"):
+        self.total, self.every, self.enabled, self.label = total, max(every, 1), enabled, label
+        self.bar = None
+        self.t0, self.s0 = time.time(), start
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc=label, unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, loss: float, tok_s: float) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+            self.bar.update(1)
+        elif step % self.every == 0 or step == self.total:
+            elapsed = time.time() - self.t0
+            rate = (step - self.s0) / elapsed if elapsed > 0 else 0.0
+            eta = (self.total - step) / rate if rate > 0 else math.inf
+            print(f"[{self.label}] step {step}/{self.total} loss {loss:.4f} tok/s {tok_s:,.0f} "
+                  f"elapsed {elapsed:.0f}s eta {eta:.0f}s", file=sys.stderr, flush=True)
+
+    def write(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

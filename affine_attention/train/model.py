@@ -1,0 +1,110 @@
+"""The student: a transformers causal LM built from [model] (no network), converted to an attention variant;
+parameter counts and the rough per-GPU memory estimate that `--dry-run` prints.
+
+Memory estimate (bytes per GPU; a planning aid, not a measurement):
+  states       16 P  fp32 weights (4) + grads (4) + AdamW exp_avg and exp_avg_sq (8); divided by the world
+               size under FSDP; + 2 P for autocast's bf16 weight copies when training in bf16
+  activations  per micro-batch of b sequences of s tokens, e bytes per element (2 in bf16, 4 in fp32), per layer
+               b s e (8 h + 2 kv + 4 I) (norm in/out, q/k/v, attention and o_proj outputs, SwiGLU's four I-wide
+               tensors; attention itself by a fused kernel, no s x s term), times L layers; with activation
+               checkpointing only each layer's input (b s h e per layer) plus one layer's full set
+  logits       b s V (e + 4 + 4): logits, their fp32 log-softmax and its gradient
+A live KD teacher adds its bf16 weights (2 bytes per teacher parameter) and its own logits; not included.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import ModelConfig, RunConfig
+
+
+def hf_config(mc: ModelConfig, *, eos_token_id: int | None = None, pad_token_id: int | None = None):
+    """The transformers config for [model]."""
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "mistral": transformers.MistralConfig}[mc.arch]
+    kwargs = dict(
+        vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim or mc.hidden_size // mc.num_heads, tie_word_embeddings=mc.tie_embeddings,
+        max_position_embeddings=mc.max_position_embeddings, rms_norm_eps=mc.rms_norm_eps,
+        initializer_range=mc.initializer_range,
+        rope_parameters={"rope_type": "default", "rope_theta": mc.rope_theta, **mc.rope_scaling},
+        bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id, use_cache=False,
+    )
+    if mc.arch != "qwen2":
+        kwargs["attention_bias"] = mc.attention_bias
+    kwargs.update(mc.extra)
+    return cls(**kwargs)
+
+
+def build_base(mc: ModelConfig, seed: int, *, meta: bool = False, eos_token_id: int | None = None,
+               pad_token_id: int | None = None) -> nn.Module:
+    """An unconverted fp32 model initialised from `seed` (on the meta device for counting)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(mc, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    torch.manual_seed(seed)
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+def convert_fn():
+    """affine_attention.convert, with a clear error while the hf layer is missing or broken."""
+    try:
+        from affine_attention.hf.convert import convert as fn
+    except ImportError as err:
+        raise RuntimeError("affine_attention.convert is not available (affine_attention/hf is missing or broken: "
+                           f"{err}); training needs it to install the attention variant") from err
+    return fn
+
+
+def convert(base: nn.Module, variant: str, options: dict | None = None, *, copy_model: bool = True) -> nn.Module:
+    """A converted copy of `base` (shared weights identical; the variant's new parameters get their own init)."""
+    model = copy.deepcopy(base) if copy_model else base
+    device = next(model.parameters()).device
+    with torch.device(device):  # new variant parameters live where the model lives (meta for counting)
+        model = convert_fn()(model, variant, **dict(options or {}))
+    return model
+
+
+def variant_options(cfg: RunConfig, variant: str) -> dict:
+    """Options for `variant`: [variant].options when it is the [variant] name, merged with [compare].options."""
+    opts = dict(cfg.variant.options) if variant == cfg.variant.name else {}
+    opts.update(cfg.compare.options.get(variant, {}))
+    return opts
+
+
+def count_params(model: nn.Module) -> int:
+    """Unique parameters (a tied head counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+@dataclass
+class MemoryEstimate:
+    states: float
+    activations: float
+    logits: float
+
+    @property
+    def total(self) -> float:
+        return self.states + self.activations + self.logits
+
+
+def memory_estimate(cfg: RunConfig, params: int, world: int, bf16: bool) -> MemoryEstimate:
+    """Per-GPU bytes by the module docstring's formula."""
+    mc, b, s = cfg.model, cfg.train.micro_batch, cfg.data.seq_len
+    e = 2 if bf16 else 4
+    h, L, V, inter = mc.hidden_size, mc.num_layers, mc.vocab_size, mc.intermediate_size
+    kv = mc.num_kv_heads * (mc.head_dim or h // mc.num_heads)
+    states = 16 * params / (world if cfg.train.parallel == "fsdp" else 1) + (2 * params if bf16 else 0)
+    per_layer = b * s * e * (8 * h + 2 * kv + 4 * inter)
+    acts = (L * b * s * h * e + per_layer) if cfg.train.activation_checkpointing else L * per_layer
+    return MemoryEstimate(states, acts, b * s * V * (e + 8))

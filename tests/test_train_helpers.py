@@ -1,0 +1,65 @@
+"""Shared helpers for the training tests (no tests here): a tiny model and a small local dataset, offline."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A 2-layer Llama of width 32 on 32-token sequences: a step takes milliseconds on a CPU.
+TINY = [
+    "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "model.num_heads=2",
+    "model.num_kv_heads=1", "data.seq_len=32", "train.global_batch=4", "train.micro_batch=2",
+    "data.eval_sequences=4", "data.eval_batch=4", "data.probe_sequences=1", "schedule.warmup_steps=2",
+    "train.eval_every=0", "train.log_every=1000", "train.threads=1", "train.device='cpu'",
+]
+
+
+def write_small_corpus(folder: Path) -> tuple[Path, Path]:
+    """Two JSONL files cut from the embedded corpus (train: 6 works x 6k chars, eval: 2 works x 6k chars)."""
+    from affine_attention.train.corpus import corpus_texts
+
+    folder.mkdir(parents=True, exist_ok=True)
+    train, evals = folder / "train.jsonl", folder / "eval.jsonl"
+    train.write_text("".join(json.dumps({"text": t[:6000]}) + "\n" for t in corpus_texts("train")[:6]))
+    evals.write_text("".join(json.dumps({"text": t[:6000]}) + "\n" for t in corpus_texts("validation")[:2]))
+    return train, evals
+
+
+def tiny_overrides(folder: Path) -> list[str]:
+    train, evals = write_small_corpus(folder / "data")
+    return TINY + [
+        "data.train.kind='files'", f"data.train.paths=['{train}']",
+        "data.eval.kind='files'", f"data.eval.paths=['{evals}']",
+        f"data.token_cache_dir='{folder / 'tokens'}'",
+    ]
+
+
+@pytest.fixture
+def tiny(tmp_path) -> list[str]:
+    return tiny_overrides(tmp_path)
+
+
+def read_records(path: Path, kind: str = "train") -> list[dict]:
+    return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r.get("kind") == kind]
+
+
+def cli(args: list[str], *, env: dict | None = None, timeout: float = 300, check: bool = True, popen: bool = False):
+    """Run `python -m affine_attention.cli ARGS` in a subprocess (one thread, repository on the path)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    cmd = [sys.executable, "-m", "affine_attention.cli", *args]
+    if popen:
+        return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and out.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+def sets(overrides: list[str]) -> list[str]:
+    return [x for o in overrides for x in ("--set", o)]

@@ -1,0 +1,68 @@
+"""A run killed with SIGKILL after a checkpoint and resumed logs bitwise the same per-step losses as an uninterrupted
+run (CPU, fp32, subprocesses), also when the newest checkpoint was damaged and an older one is used."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from test_train_helpers import cli, read_records, sets, tiny  # noqa: F401  (fixture)
+
+STEPS = 40
+
+
+def _args(tiny, out):
+    return ["train", *sets(tiny + [f"train.steps={STEPS}", "train.checkpoint_every=3", "train.keep_checkpoints=20",
+                                   "train.eval_every=10", "variant.name='affine'"]), "--out", str(out)]
+
+
+def _losses(path):
+    return [(r["step"], r["loss"], r["grad_norm"], r["alpha_ma"]) for r in read_records(path)]
+
+
+def test_sigkill_then_resume_matches_uninterrupted(tiny, tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    cli(_args(tiny, ref))
+    proc = cli(_args(tiny, run), popen=True)
+    deadline = time.time() + 240
+    # Kill once the second checkpoint exists, so there is an older one to fall back to.
+    while not (run / "checkpoints" / "step-00000006" / "MANIFEST.json").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run / "final").exists(), "the run finished before the kill; raise STEPS"
+    steps = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    newest = run / "checkpoints" / steps[-1]
+    # Damage the newest checkpoint: the resume must say so and use the previous one.
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    out = cli(["train", *_args(tiny, run)[1:], "--resume"])
+    assert f"{newest} is damaged" in out.stderr and "resuming from" in out.stderr
+    assert steps[-2] in out.stderr.split("resuming from", 1)[1]
+    assert _losses(run / "metrics.jsonl") == _losses(ref / "metrics.jsonl")
+    evals = [(r["step"], r["heldout_loss"], r["qk_logit_mean"]) for r in read_records(run / "metrics.jsonl", "eval")]
+    assert evals == [(r["step"], r["heldout_loss"], r["qk_logit_mean"])
+                     for r in read_records(ref / "metrics.jsonl", "eval")]
+    assert len(read_records(run / "metrics.jsonl", "resume")) == 1
+
+
+def test_resume_refuses_a_changed_config_and_a_missing_run(tiny, tmp_path):
+    from affine_attention.train.config import load_config
+    from affine_attention.train.loop import train
+
+    cfg = load_config("tiny", tiny + ["train.steps=2", "variant.name='sink'"])
+    train(cfg, tmp_path / "r", log=lambda m: None)
+    with pytest.raises(ValueError, match="already holds a run; pass --resume"):
+        train(cfg, tmp_path / "r", log=lambda m: None)
+    with pytest.raises(ValueError, match=r"different config \(optim.lr: checkpoint 0.003, now 0.5\)"):
+        train(load_config("tiny", tiny + ["train.steps=2", "variant.name='sink'", "optim.lr=0.5"]), tmp_path / "r",
+              resume=True, log=lambda m: None)
+    said = []
+    train(cfg, tmp_path / "r", resume=True, log=said.append)
+    assert any("already complete" in m for m in said)
+    with pytest.raises(ValueError, match="no checkpoint in"):
+        train(cfg, tmp_path / "nothing", resume=True, log=lambda m: None)
