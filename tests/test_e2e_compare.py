@@ -28,4 +28,4 @@ def test_default_compare_writes_summary_and_report(tmp_path):
     for f in figures:
         assert (tmp_path / f).is_file() and (tmp_path / f).stat().st_size > 5000, f
     assert html.count("data:image/png;base64,") == len(figures), "report.html must embed every figure"
-    assert wall < 1200, f"default compare took {wall:.0f} s"  # README promises ~10 min on 2 idle cores
+    print(f"default compare with report: {wall:.0f} s")  # timing is reported, never asserted
