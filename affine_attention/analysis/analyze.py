@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import platform
 import resource
 import sys
 import time
@@ -14,6 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from .._environment import versions
 from .capture import AttentionRecorder, LayerRecord, find_variant_modules, utilisation
 
 __all__ = ["load_model", "read_texts", "token_windows", "record", "summarise", "write_figures", "analyze",
@@ -238,18 +238,6 @@ def write_figures(results: Mapping[str, Sequence[LayerRecord]], out_dir, *, laye
 # ---------------------------------------------------------------------------------------------------------------
 # the command
 # ---------------------------------------------------------------------------------------------------------------
-def _versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for pkg in ("transformers", "affine-attention"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
-
-
 def analyze(model: str, *, data: str | None = None, sequences: int = 10, length: int = 1024,
             out: str | Path = "analysis", chunk: int = 256, layer: int | None = None, batch_size: int = 1,
             device: str = "auto", tokenizer: str | None = None, prefix: str = "", quiet: bool = False) -> dict:
@@ -278,7 +266,7 @@ def analyze(model: str, *, data: str | None = None, sequences: int = 10, length:
     result = {
         "config": {**info, "data": data_desc, "sequences": int(ids.shape[0]), "length": length,
                    "tokens": int(ids.numel()), "chunk": chunk, "batch_size": batch_size, "device": device,
-                   "dtype": str(next(net.parameters()).dtype).replace("torch.", ""), "versions": _versions(),
+                   "dtype": str(next(net.parameters()).dtype).replace("torch.", ""), "versions": versions(),
                    "load_s": round(t_load, 2), "record_s": round(t_rec, 2), "memory": mem},
         **summarise(records),
         "figures": {k: p.name for k, p in figs.items()},

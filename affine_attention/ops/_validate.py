@@ -1,7 +1,6 @@
 """Argument checks shared by every attention op: clear ValueErrors naming the argument and the expected shape."""
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 
