@@ -80,7 +80,15 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model(tok):
-    return make_model(tok)
+    """A tiny Llama converted to Affine-Scaled Attention, alpha away from its init: the harness must run it."""
+    import affine_attention
+
+    m = affine_attention.convert(make_model(tok), "affine")
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "alpha_proj" in name:
+                p.normal_(0.0, 0.5)
+    return m
 
 
 @pytest.fixture(scope="module")
