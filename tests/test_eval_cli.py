@@ -4,42 +4,18 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from affine_attention.eval import cli
+from affine_attention.train.corpus import default_tokenizer as make_tokenizer  # the packaged one
 
 
 def parse(argv):
     parser = argparse.ArgumentParser(prog="affine-attention")
     cli.add_commands(parser.add_subparsers(dest="command"))
     return parser.parse_args(argv)
-
-
-def make_tokenizer():
-    """The project's packaged tokenizer when present; otherwise a small byte-level BPE built here."""
-    import affine_attention
-
-    packaged = Path(affine_attention.__file__).parent / "data" / "tokenizer" / "tokenizer.json"
-    if packaged.is_file():
-        from affine_attention.train.corpus import default_tokenizer
-
-        return default_tokenizer()
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>", "<|pad|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(["The cat sat on the mat.", "A dog ran in the park."] * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from affine_attention.eval import (
     materialize_fixture_tasks,
     write_results,
 )
+from affine_attention.train.corpus import default_tokenizer as make_tokenizer  # the packaged one
 
 FIXTURES = Path(__file__).resolve().parents[1] / "affine_attention" / "eval" / "fixtures"
 LIMIT = 6
@@ -35,31 +36,6 @@ SCHEMAS = {
     "winogrande": {"sentence": str, "option1": str, "option2": str, "answer": str},
     "c4": {"text": str, "timestamp": str, "url": str},
 }
-
-
-def make_tokenizer():
-    """The project's packaged tokenizer when present; otherwise a small byte-level BPE built here."""
-    import affine_attention
-
-    packaged = Path(affine_attention.__file__).parent / "data" / "tokenizer" / "tokenizer.json"
-    if packaged.is_file():
-        from affine_attention.train.corpus import default_tokenizer
-
-        return default_tokenizer()
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>", "<|pad|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    lines = [line for f in FIXTURES.glob("data/*.jsonl") for line in f.read_text().splitlines()]
-    tok.train_from_iterator(lines, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
 def make_model(tokenizer):

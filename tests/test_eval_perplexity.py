@@ -2,43 +2,19 @@
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from affine_attention.eval import perplexity, read_texts
+from affine_attention.train.corpus import default_tokenizer as make_tokenizer  # the packaged one
 
 TEXTS = [
     "The river ran fast after the rain, and the old bridge shook under the carts.",
     "A small dog slept by the fire while the wind beat against the shutters.",
     "Bread, cheese and apples were laid out on the long wooden table.",
 ]
-
-
-def make_tokenizer():
-    """The project's packaged tokenizer when present; otherwise a small byte-level BPE built here."""
-    import affine_attention
-
-    packaged = Path(affine_attention.__file__).parent / "data" / "tokenizer" / "tokenizer.json"
-    if packaged.is_file():
-        from affine_attention.train.corpus import default_tokenizer
-
-        return default_tokenizer()
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>", "<|pad|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(TEXTS * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
 def make_model(tokenizer, seed=0):
