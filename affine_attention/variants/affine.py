@@ -84,11 +84,10 @@ class AffineAttention(AttentionVariant):
                 stats = torch.cat([a.sum((0, 2)), a.new_tensor([a.shape[0] * a.shape[2]])])
             if dist.is_available() and dist.is_initialized():
                 dist.all_reduce(stats)  # token-weighted mean over every data-parallel rank
-            count = stats[-1].clamp(min=1.0)
-            mean = stats[:-1] / count
-            if stats[-1] > 0:
-                m = self.options.momentum
-                self.alpha_ma.mul_(m).add_((1.0 - m) * mean.to(self.alpha_ma.dtype))
+            mean = (stats[:-1] / stats[-1].clamp(min=1.0)).to(self.alpha_ma.dtype)
+            # A batch of padding only leaves alpha_ma as it is; torch.where avoids a host sync per layer on GPU.
+            new = torch.lerp(mean, self.alpha_ma, self.options.momentum)  # rho * alpha_ma + (1 - rho) * mean
+            self.alpha_ma.copy_(torch.where(stats[-1] > 0, new, self.alpha_ma))
             self._alpha_ma_used = self.alpha_ma.clone()
         return self._alpha_ma_used
 
