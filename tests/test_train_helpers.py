@@ -49,12 +49,17 @@ def read_records(path: Path, kind: str = "train") -> list[dict]:
     return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r.get("kind") == kind]
 
 
-def cli(args: list[str], *, env: dict | None = None, timeout: float = 300, check: bool = True, popen: bool = False):
-    """Run `python -m affine_attention.cli ARGS` in a subprocess (one thread, repository on the path)."""
+def cli(args: list[str], *, env: dict | None = None, timeout: float = 300, check: bool = True,
+        popen_log: Path | None = None):
+    """Run `python -m affine_attention.cli ARGS` in a subprocess (one thread, repository on the path).
+
+    With popen_log, start it in the background with its output going to that file: a pipe nobody reads while the
+    test polls would fill up and block the child."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     cmd = [sys.executable, "-m", "affine_attention.cli", *args]
-    if popen:
-        return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if popen_log is not None:
+        with open(popen_log, "w") as log:
+            return subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True)
     out = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and out.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")

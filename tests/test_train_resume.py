@@ -25,15 +25,20 @@ def _losses(path):
 def test_sigkill_then_resume_matches_uninterrupted(tiny, tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     cli(_args(tiny, ref))
-    proc = cli(_args(tiny, run), popen=True)
-    deadline = time.time() + 240
-    # Kill once the second checkpoint exists, so there is an older one to fall back to.
-    while not (run / "checkpoints" / "step-00000006" / "MANIFEST.json").exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.time() < deadline
-        time.sleep(0.005)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    log = tmp_path / "killed-run.log"
+    proc = cli(_args(tiny, run), popen_log=log)
+    try:
+        deadline = time.time() + 240
+        # Kill once the second checkpoint exists, so there is an older one to fall back to.
+        while not (run / "checkpoints" / "step-00000006" / "MANIFEST.json").exists():
+            assert proc.poll() is None, log.read_text()
+            assert time.time() < deadline, log.read_text()
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:  # never leave the child running when the test fails
+            proc.kill()
+        proc.wait()
     assert not (run / "final").exists(), "the run finished before the kill; raise STEPS"
     steps = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
     newest = run / "checkpoints" / steps[-1]
