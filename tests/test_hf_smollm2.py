@@ -12,7 +12,7 @@ from test_hf_common import perturb  # noqa: F401  (skips without transformers, r
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import affine_attention
-from affine_attention.train.corpus import corpus_texts
+from affine_attention.text.corpus import corpus_texts
 
 pytestmark = pytest.mark.slow
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

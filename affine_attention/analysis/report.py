@@ -380,16 +380,14 @@ def _attention_records(runs: dict[str, list[SeedRun]], cfg: dict, sequences: int
 
 
 def _heldout_texts(cfg: dict) -> tuple[list[str], str]:
+    from ..text import documents
+
     src = cfg.get("data", {}).get("eval", {})
     if src.get("kind") == "files" and src.get("paths"):
-        from ..train.config import SourceConfig, from_dict
-        from ..train.data import documents
-
-        return list(documents(from_dict(SourceConfig, src))), "the run's held-out files"
-    from ..train.corpus import corpus_texts
-
+        return list(documents("files", paths=src["paths"], text_field=src.get("text_field", "text"))), \
+            "the run's held-out files"
     split = src.get("split", "validation") if src.get("kind", "corpus") == "corpus" else "validation"
-    return corpus_texts(split), f"the packaged corpus ({split} split)"
+    return list(documents("corpus", split=split)), f"the packaged corpus ({split} split)"
 
 
 ATTENTION_CAPTIONS = {
