@@ -99,10 +99,16 @@ def _save(fig, path) -> Path:
     return path
 
 
+MARKERS_PER_LINE = 12  # long curves carry a few markers, so lines differ by shape as well as by colour
+
+
 def _plot_lines(ax, curves: dict, smooth: int = 1) -> None:
-    for name, (s, v) in curves.items():
+    for i, (name, (s, v)) in enumerate(curves.items()):
         st = style_for(name)
-        ax.plot(s, _smooth(v, smooth), color=st.color, linestyle=st.linestyle, label=st.label, linewidth=1.4)
+        # Offset each variant's markers a little so markers of overlapping lines do not sit on top of each other.
+        every = max(1, s.size // MARKERS_PER_LINE)
+        ax.plot(s, _smooth(v, smooth), color=st.color, linestyle=st.linestyle, label=st.label, linewidth=1.4,
+                marker=st.marker, markersize=4, markevery=(i * every // len(curves), every))
 
 
 def _zoom(ax, curves: dict, start: float, end: float, smooth: int, log: bool = False) -> None:
@@ -228,7 +234,7 @@ def plot_per_layer(values: Mapping[str, Sequence[float]], ylabel: str, title: st
     ax = axes[0][0]
     for name, v in data.items():
         st = style_for(name)
-        ax.plot(np.arange(v.size), v, color=st.color, linestyle=st.linestyle, marker="o", markersize=3.5,
+        ax.plot(np.arange(v.size), v, color=st.color, linestyle=st.linestyle, marker=st.marker, markersize=3.5,
                 label=st.label)
     ax.set_xlabel("layer index")
     ax.set_ylabel(ylabel)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..ops import affine_scaled_attention, affine_scaled_attention_reference
-from .base import AttentionVariant
+from .base import OKABE_ITO, AttentionVariant, Display
 from .gated import GateMixin, GatedOptions
 
 
@@ -46,6 +46,11 @@ class AffineAttention(AttentionVariant):
     name = "affine"
     Options = AffineOptions
     uses_value_mean = True
+    role = "method"
+    controls = ("affine_frozen", "scaled_softmax")
+    display = Display("Affine-scaled", OKABE_ITO["vermillion"], "^", "-")
+    token_stats = {"alpha": "α"}
+    state_stats = {"alpha_ma": "α moving average"}
 
     def __init__(self, shape, options=None):
         super().__init__(shape, options)
@@ -91,6 +96,12 @@ class AffineAttention(AttentionVariant):
             self._alpha_ma_used = self.alpha_ma.clone()
         return self._alpha_ma_used
 
+    def token_statistics(self, x):
+        return {"alpha": self.compute_alpha(x)}
+
+    def state_statistics(self):
+        return {"alpha_ma": self.alpha_ma}
+
     def attend(self, q, k, v, x, *, attn_mask, is_causal, scale, token_mask, v_mean):
         alpha = self.compute_alpha(x)
         alpha_ma = self._alpha_ma_for_forward(alpha, token_mask)
@@ -116,6 +127,8 @@ class AffineGatedAttention(GateMixin, AffineAttention):
 
     name = "affine_gated"
     Options = AffineGatedOptions
+    controls = ("scaled_softmax",)
+    display = Display("Affine-scaled + gated", OKABE_ITO["reddish_purple"], "P", (0, (5, 1)))
 
     def __init__(self, shape, options=None):
         super().__init__(shape, options)

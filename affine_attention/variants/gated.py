@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from .base import AttentionVariant
+from .base import OKABE_ITO, AttentionVariant, Display
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,8 @@ class GateMixin:
 class GatedAttention(GateMixin, AttentionVariant):
     name = "gated"
     Options = GatedOptions
+    controls = ("scaled_softmax",)
+    display = Display("Gated attention", OKABE_ITO["bluish_green"], "D", "-.")
 
     def __init__(self, shape, options=None):
         super().__init__(shape, options)

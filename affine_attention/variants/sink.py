@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..ops import sink_attention, sink_attention_reference
-from .base import AttentionVariant
+from .base import OKABE_ITO, AttentionVariant, Display
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,8 @@ class SinkOptions:
 class SinkAttention(AttentionVariant):
     name = "sink"
     Options = SinkOptions
+    display = Display("Attention sink", OKABE_ITO["blue"], "s", "--")
+    state_stats = {"sinks": "sink logit"}
 
     def __init__(self, shape, options=None):
         super().__init__(shape, options)
@@ -25,6 +27,9 @@ class SinkAttention(AttentionVariant):
 
     def _sink_logits(self):
         return self.sinks
+
+    def state_statistics(self):
+        return {"sinks": self.sinks}
 
     def attend(self, q, k, v, x, *, attn_mask, is_causal, scale, token_mask, v_mean):
         return sink_attention(q, k, v, self._sink_logits().to(q.device), attn_mask=attn_mask, is_causal=is_causal, scale=scale,
@@ -44,9 +49,14 @@ class OffByOneAttention(SinkAttention):
 
     name = "off_by_one"
     Options = AttentionVariant.Options
+    display = Display("Off-by-one softmax", OKABE_ITO["sky_blue"], "v", ":")
+    state_stats = {}  # the sink logit is a constant 0
 
     def __init__(self, shape, options=None):
         AttentionVariant.__init__(self, shape, options)
 
     def _sink_logits(self):
         return torch.zeros(self.shape.num_heads)
+
+    def state_statistics(self):
+        return {}
