@@ -30,9 +30,8 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype = torch.flo
     checkpoint) is converted to the reference variant, which leaves its logits unchanged, so its attention can be
     recorded.
     """
-    import affine_attention
-
     from ..hf import load
+    from ..hf.convert import convert
     from ..variants import REFERENCE
 
     model = load.load_model(spec, dtype=dtype)
@@ -40,7 +39,7 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype = torch.flo
         find_variant_modules(model)
         converted = True
     except ValueError:
-        affine_attention.convert(model, REFERENCE)
+        convert(model, REFERENCE)
         converted = False
     model.to(device).eval()
     tok = load.load_tokenizer(spec if tokenizer is None else tokenizer)

@@ -60,8 +60,9 @@ def load_model(spec: str, *, dtype=None, device=None, hub: bool = False, frozen:
 
     Converted checkpoints come back with their attention variant (importing affine_attention registers the
     converted architectures); plain ones unchanged. frozen: requires_grad off on every parameter (a KD teacher)."""
-    import affine_attention  # noqa: F401  (registers the converted architectures so their checkpoints load)
     from transformers import AutoModelForCausalLM
+
+    from . import models  # noqa: F401  (registers the converted architectures so their checkpoints load)
 
     path, kwargs = _local(spec, hub, "model")
     if dtype is not None:
