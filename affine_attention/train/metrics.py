@@ -99,7 +99,8 @@ class TokenStats:
             return {}
         from .distributed import all_reduce_sum
 
-        acc = all_reduce_sum(self.acc.to(info.device), info).cpu()  # nccl reduces only device tensors
+        # clone: on a CPU device .to() and .cpu() return the accumulator itself, which zero_() would then clear
+        acc = all_reduce_sum(self.acc.clone().to(info.device), info).cpu()  # nccl reduces only device tensors
         self.acc.zero_()
         out = {}
         for j, key in enumerate(self.keys):
