@@ -180,6 +180,12 @@ class Trainer:
         self.say(f"resuming from {path} (step {self.start_step})")
         self.metrics.write({"kind": "resume", "step": self.start_step, "checkpoint": str(path)})
 
+    def begin(self) -> None:
+        """After start or resume: the progress display and the wall clock of this segment of the run."""
+        self.progress = Progress(self.tc.steps, self.start_step, self.tc.log_every, self.info.is_main,
+                                 label=self.label)
+        self.t_seg = time.time()
+
     # --- one step -------------------------------------------------------------------------------------------
     def forward_backward(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Accumulate gradients over this rank's micro-batches of rows (L, T + 1) with sequence ids (L,); returns
@@ -326,8 +332,7 @@ class Trainer:
                     return json.loads((self.out_dir / "result.json").read_text())
         else:
             self.start()
-        self.progress = Progress(tc.steps, self.start_step, tc.log_every, self.info.is_main, label=self.label)
-        self.t_seg = time.time()
+        self.begin()
         if self.start_step == 0 and tc.steps > 0:
             self.evaluate(0)
         for s in range(self.start_step, tc.steps):
