@@ -102,6 +102,21 @@ def _save(fig, path) -> Path:
 MARKERS_PER_LINE = 12  # long curves carry a few markers, so lines differ by shape as well as by colour
 
 
+def _histogram_data(values, name: str, bins: int, pad: float):
+    """(name -> finite 1-D values, all of them pooled, (lo, hi), shared bin edges (bins + 1,)); a constant range is
+    widened by `pad` on each side."""
+    _check_mapping(values, name)
+    data = {}
+    for k, v in values.items():
+        a = _np(v, f"{name}[{k!r}]").ravel()
+        data[k] = a[np.isfinite(a)]
+    allv = np.concatenate(list(data.values()))
+    lo, hi = (float(allv.min()), float(allv.max())) if allv.size else (0.0, 1.0)
+    if hi <= lo:
+        lo, hi = lo - pad, hi + pad
+    return data, allv, (lo, hi), np.linspace(lo, hi, bins + 1)
+
+
 def _plot_lines(ax, curves: dict, smooth: int = 1) -> None:
     for i, (name, (s, v)) in enumerate(curves.items()):
         st = style_for(name)
@@ -286,16 +301,7 @@ def plot_mass_histograms(totals: Mapping[str, object], path, *, bins: int = 50,
     """
     from matplotlib import patheffects
 
-    _check_mapping(totals, "totals")
-    data = {}
-    for k, v in totals.items():
-        a = _np(v, f"totals[{k!r}]").ravel()
-        data[k] = a[np.isfinite(a)]
-    allv = np.concatenate(list(data.values()))
-    lo, hi = (float(allv.min()), float(allv.max())) if allv.size else (0.0, 1.0)
-    if hi <= lo:
-        lo, hi = lo - 0.5, hi + 0.5
-    edges = np.linspace(lo, hi, bins + 1)
+    data, allv, (lo, hi), edges = _histogram_data(totals, "totals", bins, pad=0.5)
     fig, axes = _panels(len(data), title)
     for ax, (name, a) in zip(axes, data.items()):
         st = style_for(name)
@@ -349,16 +355,7 @@ def plot_alpha_histograms(alphas: Mapping[str, object], path, *, bins: int = 50,
 
     alphas: name -> 1-D values (e.g. `metrics.alpha_distribution(...)["values"]`). The legend gives each mean.
     """
-    _check_mapping(alphas, "alphas")
-    data = {}
-    for k, v in alphas.items():
-        a = _np(v, f"alphas[{k!r}]").ravel()
-        data[k] = a[np.isfinite(a)]
-    allv = np.concatenate(list(data.values()))
-    lo, hi = (float(allv.min()), float(allv.max())) if allv.size else (0.0, 1.0)
-    if hi <= lo:
-        lo, hi = lo - 0.05, hi + 0.05
-    edges = np.linspace(lo, hi, bins + 1)
+    data, allv, (lo, hi), edges = _histogram_data(alphas, "alphas", bins, pad=0.05)
     fig, axes = _figure(1, 1, title, size=(6.4, 4.2))
     ax = axes[0][0]
     for name, a in data.items():

@@ -12,6 +12,7 @@ import numpy as np
 
 from .._environment import hardware, versions
 from .._numbers import mean_std as _mean_std
+from ..text.read import json_lines
 from ..variants import REFERENCE as BASELINE
 from ..variants import REGISTRY, control_pairs
 from . import gradstats
@@ -56,21 +57,14 @@ def _scalar(v) -> float | None:
 
 
 def _read_metrics(run: SeedRun) -> None:
-    with open(run.path / "metrics.jsonl", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise ValueError(f"{run.path / 'metrics.jsonl'}: line {n} is not valid JSON") from None
-            kind = rec.get("kind", "train")
-            if kind == "config":
-                run.header = rec
-            elif kind == "eval":
-                run.evals.append(rec)
-            elif kind == "train" and "step" in rec:
-                run.train.append(rec)
+    for _, rec in json_lines(run.path / "metrics.jsonl"):
+        kind = rec.get("kind", "train")
+        if kind == "config":
+            run.header = rec
+        elif kind == "eval":
+            run.evals.append(rec)
+        elif kind == "train" and "step" in rec:
+            run.train.append(rec)
 
 
 def load_run(run_dir: str | Path) -> tuple[dict, dict[str, list[SeedRun]]]:

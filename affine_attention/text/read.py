@@ -26,6 +26,19 @@ def expand(patterns: Sequence[str]) -> list[Path]:
     return out
 
 
+def json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) of every non-blank line of a JSON Lines file; malformed JSON raises ValueError
+    naming the file and line."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}: line {n}: malformed JSON ({err.msg})") from None
+
+
 def file_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
     """The documents of one file: a .txt/.md file is one document; .jsonl/.json one object per line with a string
     field `text_field`; .parquet the column `text_field`."""
@@ -34,18 +47,11 @@ def file_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
     if suffix in (".txt", ".md"):
         yield path.read_text(encoding="utf-8")
     elif suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({err})") from None
-                if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-                    raise ValueError(f"{path}:{n}: expected a JSON object with a string field {text_field!r} "
-                                     "(set the text field / column option)")
-                yield obj[text_field]
+        for n, obj in json_lines(path):
+            if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+                raise ValueError(f"{path}:{n}: expected a JSON object with a string field {text_field!r} "
+                                 "(set the text field / column option)")
+            yield obj[text_field]
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
