@@ -73,6 +73,13 @@ def test_roles_and_control_pairs_come_from_the_registry():
     with pytest.raises(ValueError, match="already registered"):
         variants.register_variant(variants.AffineAttention)
 
+    class Undrawn(variants.AttentionVariant):  # forgot its own `display`: softmax's would be ambiguous
+        name = "undrawn"
+
+    with pytest.raises(ValueError, match="shares its colour or marker with 'softmax'"):
+        variants.register_variant(Undrawn)
+    assert "undrawn" not in variants.REGISTRY
+
 
 def test_paper_configs_take_the_architecture_table_row():
     from affine_attention.hf.presets import PRESETS

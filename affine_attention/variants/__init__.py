@@ -30,6 +30,10 @@ def register_variant(cls: type[AttentionVariant]) -> type[AttentionVariant]:
         raise ValueError(f"a variant named {cls.name!r} is already registered ({REGISTRY[cls.name].__name__})")
     if cls.role not in ("method", "baseline", "control"):
         raise ValueError(f"{cls.__name__}.role must be 'method', 'baseline' or 'control', got {cls.role!r}")
+    for other in REGISTRY.values():  # figures tell variants apart by colour and by marker
+        if cls.display.color.upper() == other.display.color.upper() or cls.display.marker == other.display.marker:
+            raise ValueError(f"{cls.__name__}.display {cls.display} shares its colour or marker with "
+                             f"{other.name!r} ({other.display}); give it its own `display`")
     REGISTRY[cls.name] = cls
     return cls
 
@@ -71,7 +75,8 @@ def role(name: str) -> str:
 
 
 def control_pairs(names=None) -> list[tuple[str, str]]:
-    """(variant, control) pairs to compare by seed, among `names` (default: all registered), in registry order."""
+    """(variant, control) pairs to compare by seed, among `names` (default: all registered), in the order of
+    `names`."""
     names = list(REGISTRY) if names is None else list(names)
     return [(v, c) for v in names if v in REGISTRY for c in REGISTRY[v].controls if c in names]
 
