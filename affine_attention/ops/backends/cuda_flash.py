@@ -192,7 +192,7 @@ def _flat(x: Tensor, index: Tensor | None) -> Tensor:
 
 def _unused(device) -> tuple[Tensor, Tensor]:
     """rng_state / unused placeholders for the backward: dropout is 0, so the kernel never reads them."""
-    return torch.empty(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
 
 
 class CudaFlashBackend(Backend):
