@@ -190,6 +190,17 @@ def _flat(x: Tensor, index: Tensor | None) -> Tensor:
     return x if index is None else x.index_select(0, index)
 
 
+def _may_have_empty_rows(mask: MaskSpec) -> bool:
+    """Whether some query may see no key: causal with T > S, or key padding (documents always see themselves)."""
+    return mask.keys is not None or (_causal(mask) and mask.T > mask.S)
+
+
+def _zero_rows(x: Tensor, empty: Tensor, mask: MaskSpec) -> Tensor:
+    """x with the rows of queries that see no key set to 0 (the kernel's own zeros are not relied on).
+    x: (..., D); empty: bool of x's shape without D."""
+    return x.masked_fill(empty[..., None], 0) if _may_have_empty_rows(mask) else x
+
+
 def _unused(device) -> tuple[Tensor, Tensor]:
     """rng_state / unused placeholders for the backward: dropout is 0, so the kernel never reads them."""
     return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
@@ -227,24 +238,20 @@ class CudaFlashBackend(Backend):
             left, right = _window(mask, causal)
             out, lse = fwd(_bthd(q), _bthd(k), _bthd(v), None, None, T, S, 0.0, causal, False, scale=scale,
                            window_size_left=left, window_size_right=right)[:2]
-            # The kernel marks a row that sees no key with lse = +inf (its out is 0); ours is -inf.
-            lse = lse.reshape(B, Hq, T).masked_fill(lse.reshape(B, Hq, T) == float("inf"), float("-inf"))
-            out = out.transpose(1, 2)
-            if causal and T > S:  # the first T - S queries see no key
-                out = out.masked_fill(torch.arange(T, device=q.device)[:, None] < T - S, 0)
-            return out, lse
+            lse = lse.reshape(B, Hq, T)
+            empty = lse == float("inf")  # the kernel's marker for a row that sees no key; ours is -inf
+            return _zero_rows(out.transpose(1, 2), empty, mask), lse.masked_fill(empty, float("-inf"))
         out = q.new_zeros(B * T, Hq, D)
         lse = torch.full((Hq, B * T), float("-inf"), dtype=float_acc(q.dtype), device=q.device)
         for part in parts:
             part = part.to(q.device)
             left, right = _window(mask, part.causal)
-            kk, vv = _flat(k, part.k_index), _flat(v, part.k_index)
-            o, l_ = fwd(_flat(q, part.q_index), kk, vv, part.cu_q, part.cu_k, part.max_q, part.max_k, 0.0,
-                        part.causal, False, scale=scale, window_size_left=left, window_size_right=right)[:2]
+            o, l_ = fwd(_flat(q, part.q_index), _flat(k, part.k_index), _flat(v, part.k_index), part.cu_q,
+                        part.cu_k, part.max_q, part.max_k, 0.0, part.causal, False, scale=scale,
+                        window_size_left=left, window_size_right=right)[:2]
             l_ = l_.reshape(Hq, -1)
             empty = l_ == float("inf")
-            o = o.masked_fill(empty.t()[:, :, None], 0)
-            l_ = l_.masked_fill(empty, float("-inf"))
+            o, l_ = _zero_rows(o, empty.t(), mask), l_.masked_fill(empty, float("-inf"))
             if part.q_index is None:
                 out, lse = o, l_
             else:
@@ -260,7 +267,8 @@ class CudaFlashBackend(Backend):
         causal = _causal(mask)
         rng, unused = _unused(q.device)
         # Back to the kernel's marker for empty rows: with +inf their weights exp(x - lse) are 0, not inf.
-        lse = lse.to(float_acc(q.dtype)).masked_fill(lse == float("-inf"), float("inf"))
+        empty = lse == float("-inf")
+        lse = lse.to(float_acc(q.dtype)).masked_fill(empty, float("inf"))
         parts, reason = plan(mask, B)
         if reason is not None:
             raise ValueError(f"cuda_flash cannot serve this mask: {reason}")
@@ -269,28 +277,33 @@ class CudaFlashBackend(Backend):
             dq, dk, dv = bwd(_bthd(dout), _bthd(q), _bthd(k), _bthd(v), _bthd(out), lse.contiguous(), None, None,
                              T, S, 0.0, causal, rng, unused, scale=scale, window_size_left=left,
                              window_size_right=right)
-            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+            return _zero_rows(dq.transpose(1, 2), empty, mask), dk.transpose(1, 2), dv.transpose(1, 2)
         lse_rows = lse.transpose(0, 1).reshape(Hq, B * T)  # varlen layout (Hq, total)
-        acc = float_acc(k.dtype) if len(parts) > 1 else k.dtype  # two parts can add into the same keys
         dq = q.new_zeros(B * T, Hq, D)
-        dk = torch.zeros(B * S, Hkv, D, dtype=acc, device=k.device)
-        dv = torch.zeros(B * S, Hkv, D, dtype=acc, device=k.device)
+        dkv = None  # (dk, dv) over the flat (B*S) keys, accumulated in float32 when parts share keys
         for part in parts:
             part = part.to(q.device)
             left, right = _window(mask, part.causal)
             rows = lse_rows if part.q_index is None else lse_rows.index_select(1, part.q_index)
-            g = bwd(_flat(dout, part.q_index), _flat(q, part.q_index), _flat(k, part.k_index),
-                    _flat(v, part.k_index), _flat(out, part.q_index), rows.contiguous(), part.cu_q, part.cu_k,
-                    part.max_q, part.max_k, 0.0, part.causal, rng, unused, scale=scale, window_size_left=left,
-                    window_size_right=right)
+            g_q, g_k, g_v = bwd(_flat(dout, part.q_index), _flat(q, part.q_index), _flat(k, part.k_index),
+                                _flat(v, part.k_index), _flat(out, part.q_index), rows.contiguous(), part.cu_q,
+                                part.cu_k, part.max_q, part.max_k, 0.0, part.causal, rng, unused, scale=scale,
+                                window_size_left=left, window_size_right=right)
+            g_q = _zero_rows(g_q, (rows == float("inf")).t(), mask)
             if part.q_index is None:
-                dq = g[0]
+                dq = g_q
             else:
-                dq.index_copy_(0, part.q_index, g[0])
-            for full, grad in ((dk, g[1]), (dv, g[2])):
+                dq.index_copy_(0, part.q_index, g_q)
+            if len(parts) == 1 and part.k_index is None:
+                dkv = (g_k, g_v)
+                continue
+            if dkv is None:
+                acc = float_acc(k.dtype) if len(parts) > 1 else k.dtype
+                dkv = tuple(torch.zeros(B * S, Hkv, D, dtype=acc, device=k.device) for _ in range(2))
+            for full, grad in zip(dkv, (g_k, g_v)):
                 if part.k_index is None:
                     full += grad
                 else:
-                    full.index_add_(0, part.k_index, grad.to(acc))
+                    full.index_add_(0, part.k_index, grad.to(full.dtype))
         back = (lambda x, n: x.view(B, n, x.shape[1], D).transpose(1, 2))  # noqa: E731
-        return back(dq, T), back(dk.to(k.dtype), S), back(dv.to(v.dtype), S)
+        return back(dq, T), back(dkv[0].to(k.dtype), S), back(dkv[1].to(v.dtype), S)
