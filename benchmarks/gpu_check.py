@@ -3,11 +3,13 @@ kernels (time ratios to the same kernel's plain softmax, peak memory, bf16-vs-fl
 
 On the lent machine (one H200, Python 3.12, torch 2.11, no network), from the repository root:
 
-    python benchmarks/gpu_check.py --install --out gpu_check.md      # about 3-5 minutes
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --install --out $OUT/gpu_check.md    # about 3-5 minutes
+
+(with the device tool: that command, timeout_s 540; $OUT is the folder whose files come back).
 
 CPU dry run (CI; the same code paths on tiny sizes, well under a minute):
 
-    python benchmarks/gpu_check.py --device cpu --quick
+    python3 benchmarks/gpu_check.py --device cpu --quick
 
 Rows: bf16, D = 128, T in {1024, 1088, 4096, 16384} (1088 = 8.5 x 128: a partial last kernel block), B = 16384 // T,
 Hq/Hkv in {32/8, 16/16}, masks causal / padded (right padding of 1/8..4/8 of each row) / 8 documents per row /
@@ -46,7 +48,8 @@ def install() -> str:
 
 def run_cuda_tests(paths: list[str], timeout: float) -> str:
     """The tests marked `cuda` (they skip without a GPU); returns pytest's summary line."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE", *paths]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE",
+           "--continue-on-collection-errors", *paths]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -304,6 +307,19 @@ def epilogue_rows(args, device, dtype, forced) -> list[list[str]]:
     return rows
 
 
+def guarded(fn, fn_args, key: list[str]) -> list[list[str]]:
+    """fn's rows, or one row saying how it failed: one broken configuration must not cost the whole table."""
+    try:
+        return fn(*fn_args)
+    except Exception as e:  # noqa: BLE001  (reported in the table, never hidden)
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        message = f"{type(e).__name__}: {e}".replace("|", "/").replace("\n", " ")[:160]
+        return [key + ["FAILED", message] + ["—"] * (len(COLUMNS) - len(key) - 2)]
+
+
 def versions(device) -> str:
     import torch
 
@@ -327,13 +343,15 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny sizes (the CPU dry run)")
     p.add_argument("--install", action="store_true", help="pip install --no-deps -e . first")
     p.add_argument("--tests", nargs="*", default=None,
-                   help="paths for `pytest -m cuda` (default: tests, or only tests/test_backends_cuda.py with "
-                        "--quick; an empty list skips them)")
+                   help="paths for `pytest -m cuda` (default: the test files that use the marker; an empty list "
+                        "skips them)")
     p.add_argument("--out", default=None, help="also write the report (markdown) to this file")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop adding rows after this many seconds")
     a = p.parse_args(argv)
-    if a.tests is None:
-        a.tests = ["tests/test_backends_cuda.py"] if a.quick else ["tests"]
+    if a.tests is None:  # the test files that mark tests `cuda` (importing the others needs packages not there)
+        a.tests = sorted(os.path.join("tests", f) for f in os.listdir(os.path.join(ROOT, "tests"))
+                         if f.startswith("test_") and f.endswith(".py")
+                         and "mark.cuda" in open(os.path.join(ROOT, "tests", f)).read())
     if a.quick:
         a.lengths, a.heads, a.head_dim, a.tokens, a.window = [96], [(4, 2)], 128, 192, 32
         a.repeats, a.warmup, a.error_max_t = 1, 1, 96
@@ -342,6 +360,21 @@ def parse_args(argv=None):
             16384, 4096
         a.repeats, a.warmup, a.error_max_t = 5, 2, 1088
     return a
+
+
+class Report:
+    """Prints each line as soon as it is known (and appends it to --out), so a run cut short keeps its rows."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        if path:
+            open(path, "w").close()
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
 
 
 def main(argv=None) -> int:
@@ -356,34 +389,35 @@ def main(argv=None) -> int:
         print("no CUDA device: run with --device cpu for the dry run", file=sys.stderr)
         return 2
     device = torch.device(args.device)
-    report = [f"# gpu_check\n\n{versions(device)}\n"] + ([installed + "\n"] if installed else [])
+    say = Report(args.out)
+    say(f"# gpu_check\n\n{versions(device)}\n")
+    if installed:
+        say(installed + "\n")
     if args.tests:
-        report.append(run_cuda_tests(args.tests, timeout=min(240.0, args.budget_s / 2)) + "\n")
+        say(run_cuda_tests(args.tests, timeout=min(240.0, args.budget_s / 2)) + "\n")
+    if importlib.util.find_spec("affine_attention.ops.epilogue") is None:
+        say("affine epilogue: not available (no affine_attention.ops.epilogue)\n")
     # On a GPU every variant runs on cuda_flash; on the CPU dry run the automatic choice (cpu_flash / exact).
     forced = "cuda_flash" if device.type == "cuda" else None
     dtype = torch.bfloat16
-    rows, skipped = [], []
+    say("| " + " | ".join(COLUMNS) + " |")
+    say("|" + "---|" * len(COLUMNS))
+    skipped = []
     for T in args.lengths:
         for Hq, Hkv in args.heads:
             for mask in ("causal", "padded", "documents", "window"):
                 if time.monotonic() - start > args.budget_s:
                     skipped.append(f"T={T} {Hq}/{Hkv} {mask}")
                     continue
-                rows += bench_config(args, device, dtype, T, Hq, Hkv, mask, forced)
-    rows += epilogue_rows(args, device, dtype, forced) if time.monotonic() - start < args.budget_s else []
-    if importlib.util.find_spec("affine_attention.ops.epilogue") is None:
-        report.append("affine epilogue: not available (no affine_attention.ops.epilogue)\n")
-    table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    table += ["| " + " | ".join(r) + " |" for r in rows]
-    report.append("\n".join(table))
+                for row in guarded(bench_config, (args, device, dtype, T, Hq, Hkv, mask, forced),
+                                   [str(T), "—", f"{Hq}/{Hkv}", mask]):
+                    say("| " + " | ".join(row) + " |")
+    if time.monotonic() - start < args.budget_s:
+        for row in guarded(epilogue_rows, (args, device, dtype, forced), ["—", "—", "—", "causal"]):
+            say("| " + " | ".join(row) + " |")
     if skipped:
-        report.append(f"\nskipped (time budget {args.budget_s:.0f} s): " + "; ".join(skipped))
-    report.append(f"\ntotal {time.monotonic() - start:.0f} s")
-    text = "\n".join(report)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        say(f"\nskipped (time budget {args.budget_s:.0f} s): " + "; ".join(skipped))
+    say(f"\ntotal {time.monotonic() - start:.0f} s")
     return 0
 
 
