@@ -385,3 +385,19 @@ def test_cuda_empty_rows_and_lse_guard():
     grads = [torch.autograd.grad(o, ins[:2], g.to(o.dtype)) for o, ins in zip(outs, (low, plain, high))]
     for label, a, b, c in zip(("dq", "dk"), *grads):
         assert_low_precision_close(a, b, c, label)
+
+
+def test_plan_cache_follows_the_callers_mask():
+    """Layers share one plan of the caller's mask (parse_mask gives each a new view); an in-place change replans;
+    inference tensors (no version counter) plan without the cache."""
+    cuda_flash._PLANS.clear()
+    keys = _keys(2, 16, [(3, 16)])
+    first = cuda_flash.plan(parse_mask(keys, True, 2, 4, 16, 16, torch.device("cpu")), 2)
+    again = cuda_flash.plan(parse_mask(keys, True, 2, 4, 16, 16, torch.device("cpu")), 2)
+    assert again is first and len(cuda_flash._PLANS) == 1
+    keys[1, ..., 5] = False  # row 1 no longer contiguous
+    assert "contiguous" in cuda_flash.plan(parse_mask(keys, True, 2, 4, 16, 16, torch.device("cpu")), 2)[1]
+    with torch.inference_mode():
+        docs = _docs(2, 16, [[4]])
+        parts, reason = cuda_flash.plan(parse_mask(None, True, 2, 4, 16, 16, torch.device("cpu"), document_ids=docs), 2)
+    assert reason is None and parts[0].cu_q.tolist() == [0, 4, 16, 20, 32]

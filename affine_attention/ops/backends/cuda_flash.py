@@ -146,12 +146,15 @@ def plan(mask: MaskSpec, B: int) -> tuple[list[Part] | None, str | None]:
     source = mask.documents if mask.documents is not None else mask.keys
     if source.device.type == "meta":
         return None, "a mask on the meta device cannot be planned (its values are unknown)"
+    # parse_mask hands every layer a new view of the caller's mask: key on the tensor it views.
+    base = source if source._base is None else source._base
     try:
-        key = (id(source), source._version, B, mask.T, mask.S, mask.causal, mask.window)
+        key = (id(base), base._version, source.storage_offset(), source.shape, source.stride(), B, mask.T, mask.S,
+               mask.causal, mask.window)
     except RuntimeError:  # inference tensors have no version counter: plan without caching
         key = None
     hit = _PLANS.get(key) if key is not None else None
-    if hit is not None and hit[0]() is source:
+    if hit is not None and hit[0]() is base:
         _PLANS.move_to_end(key)
         return hit[1]
     if mask.documents is not None:
@@ -160,7 +163,7 @@ def plan(mask: MaskSpec, B: int) -> tuple[list[Part] | None, str | None]:
         parts, reason = _key_padding_parts(mask, B)
         result = (None, reason) if reason else (parts, None)
     if key is not None:
-        _PLANS[key] = (weakref.ref(source), result)
+        _PLANS[key] = (weakref.ref(base), result)
         while len(_PLANS) > _PLAN_CACHE_SIZE:
             _PLANS.popitem(last=False)
     return result
