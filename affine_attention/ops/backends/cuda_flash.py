@@ -60,6 +60,19 @@ class Part:
                     self.max_k, self.causal)
 
 
+def _causal(mask: MaskSpec) -> bool:
+    """The kernel's causal flag: off where causal hides nothing (one query after its whole cache)."""
+    return mask.causal and not mask.causal_is_trivial
+
+
+def _window(mask: MaskSpec, causal: bool) -> tuple[int, int]:
+    """(window_size_left, window_size_right) for one kernel call; -1 = unbounded. A window always comes with a
+    causal mask, whose right edge (0) it keeps even where the causal flag is dropped (one decoding query)."""
+    if "window" in mask.kinds:
+        return mask.window - 1, 0
+    return -1, 0 if causal else -1
+
+
 def _ranges(starts: list[int], lengths: list[int], device) -> tuple[Tensor, Tensor]:
     """Concatenated index ranges [starts[i], starts[i] + lengths[i]) and their cumulative lengths (int32)."""
     cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
@@ -102,7 +115,7 @@ def _key_padding_parts(mask: MaskSpec, B: int) -> tuple[list[Part], str | None]:
         if e < S and "window" in mask.kinds:
             # The window counts back from the query's position, the kernel's from the segment's last key.
             return [], f"a sliding window with right key padding (row {b}); left padding is exact"
-        split = min(T, max(0, e - off)) if mask.causal and not mask.causal_is_trivial else 0
+        split = min(T, max(0, e - off)) if _causal(mask) else 0
         causal_rows.append((b * T, split, b * S + a, e - a))
         open_rows.append((b * T + split, T - split, b * S + a, e - a))
     return [p for p in (_part(causal_rows, True, keys.device), _part(open_rows, False, keys.device)) if p], None
@@ -169,18 +182,6 @@ def plan(mask: MaskSpec, B: int) -> tuple[list[Part] | None, str | None]:
     return result
 
 
-def _causal(mask: MaskSpec) -> bool:
-    return mask.causal and not mask.causal_is_trivial
-
-
-def _window(mask: MaskSpec, causal: bool) -> tuple[int, int]:
-    """(window_size_left, window_size_right) for one kernel call; -1 = unbounded. A window always comes with a
-    causal mask, whose right edge (0) it keeps even where the causal flag is dropped (one decoding query)."""
-    if "window" in mask.kinds:
-        return mask.window - 1, 0
-    return -1, 0 if causal else -1
-
-
 def _bthd(x: Tensor) -> Tensor:
     """(B, H, T, D) -> the kernel's (B, T, H, D), a view when the last dim is contiguous."""
     x = x.transpose(1, 2)
@@ -242,7 +243,7 @@ class CudaFlashBackend(Backend):
             out, lse = fwd(_bthd(q), _bthd(k), _bthd(v), None, None, T, S, 0.0, causal, False, scale=scale,
                            window_size_left=left, window_size_right=right)[:2]
             lse = lse.reshape(B, Hq, T)
-            empty = lse == float("inf")  # the kernel's marker for a row that sees no key; ours is -inf
+            empty = lse.isinf()  # the kernel marks a row that sees no key with lse = +inf; ours is -inf
             return _zero_rows(out.transpose(1, 2), empty, mask), lse.masked_fill(empty, float("-inf"))
         out = q.new_zeros(B * T, Hq, D)
         lse = torch.full((Hq, B * T), float("-inf"), dtype=float_acc(q.dtype), device=q.device)
@@ -253,7 +254,7 @@ class CudaFlashBackend(Backend):
                         part.cu_k, part.max_q, part.max_k, 0.0, part.causal, False, scale=scale,
                         window_size_left=left, window_size_right=right)[:2]
             l_ = l_.reshape(Hq, -1)
-            empty = l_ == float("inf")
+            empty = l_.isinf()
             o, l_ = _zero_rows(o, empty.t(), mask), l_.masked_fill(empty, float("-inf"))
             if part.q_index is None:
                 out, lse = o, l_
@@ -292,7 +293,7 @@ class CudaFlashBackend(Backend):
                                 _flat(v, part.k_index), _flat(out, part.q_index), rows.contiguous(), part.cu_q,
                                 part.cu_k, part.max_q, part.max_k, 0.0, part.causal, rng, unused, scale=scale,
                                 window_size_left=left, window_size_right=right)
-            g_q = _zero_rows(g_q, (rows == float("inf")).t(), mask)
+            g_q = _zero_rows(g_q, rows.isinf().t(), mask)
             if part.q_index is None:
                 dq = g_q
             else:
