@@ -38,6 +38,11 @@ def _take(x, where):
     return x[b][sl] if b is not None else x[sl]
 
 
+def _acc(*xs):
+    """The kernel computes in float32 (float64 here for float64 inputs) and rounds its outputs once."""
+    return [x.to(torch.float64 if x.dtype == torch.float64 else torch.float32) for x in xs]
+
+
 def _weights(q, k, causal, scale, left, right, lse=None):
     """q: (Lq, H, D), k: (Lk, Hkv, D) -> p (H, Lq, Lk), lse (H, Lq), k repeated over its query group."""
     G = q.shape[1] // k.shape[1]
@@ -63,9 +68,10 @@ def model_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, retur
                   window_size_left=None, window_size_right=None):
     assert dropout_p == 0.0 and not return_debug_mask
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    dtype, (q, k, v) = q.dtype, _acc(q, k, v)
     out = torch.zeros_like(q)
     H = q.shape[-2]
-    lse = torch.zeros((q.shape[0], H, q.shape[1]) if cu_q is None else (H, q.shape[0]), dtype=torch.float64)
+    lse = torch.zeros((q.shape[0], H, q.shape[1]) if cu_q is None else (H, q.shape[0]), dtype=q.dtype)
     for wq, wk in zip(_segments(q, cu_q), _segments(k, cu_k), strict=True):
         qs, ks, vs = _take(q, wq), _take(k, wk), _take(v, wk)
         assert cu_q is None or (qs.shape[0] <= max_q and ks.shape[0] <= max_k)
@@ -76,13 +82,14 @@ def model_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, retur
             out[wq[0]], lse[wq[0]] = o, l_
         else:
             out[wq[1]], lse[:, wq[1]] = o, l_
-    return out, lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32), None, None, None
+    return out.to(dtype), lse.to(q.dtype), None, None, None
 
 
 def model_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, rng, unused, *,
                    scale=None, window_size_left=None, window_size_right=None):
     """FA2's backward from the given out and lse: row term D_i = dO_i . out_i (the sink trick relies on it)."""
     assert not torch.isneginf(lse).any(), "the kernel marks empty rows with lse = +inf"
+    dtype, (dout, q, k, v, out) = q.dtype, _acc(dout, q, k, v, out)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for wq, wk in zip(_segments(q, cu_q), _segments(k, cu_k), strict=True):
         qs, ks, vs = _take(q, wq), _take(k, wk), _take(v, wk)
@@ -101,7 +108,7 @@ def model_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p,
                 full[w[0]] = g
             else:
                 full[w[1]] = g
-    return dq, dk, dv
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 @pytest.fixture
@@ -330,16 +337,44 @@ def assert_low_precision_close(fast, plain, ref, label, factor=3.0):
     assert err <= factor * base + 1e-4 * ref.abs().max().item(), f"{label}: error {err:.3g}, bf16 reference {base:.3g}"
 
 
-def _inputs(shape, op, dtype):
-    """float64 leaves (the low-precision values, upcast) and their low-precision copies."""
+def _inputs(shape, op, dtype, device):
+    """The kernel's inputs (low precision; sinks and alpha float32), the reference's in the low dtype and in
+    float64 (the same values, upcast)."""
     B, Hq, Hkv, T, S, D = shape
-    low = [torch.randn(*s, device="cuda", dtype=dtype) for s in ((B, Hq, T, D), (B, Hkv, S, D), (B, Hkv, S, D))]
-    extra = _extra(op, B, Hq, T, torch.float32, "cuda")
+    low = [torch.randn(*s, device=device, dtype=dtype) for s in ((B, Hq, T, D), (B, Hkv, S, D), (B, Hkv, S, D))]
+    extra = _extra(op, B, Hq, T, torch.float32, device)
     high = [t.double().requires_grad_() for t in low] + [t.detach().double().requires_grad_(t.requires_grad)
                                                          for t in extra]
     plain = [t.detach().clone().requires_grad_() for t in low] + [t.detach().to(dtype).requires_grad_(
         t.requires_grad) for t in extra]
     return [t.requires_grad_() for t in low] + list(extra), plain, high
+
+
+def check_low_precision(op, name, shape, device, dtype=torch.bfloat16):
+    """cuda_flash in `dtype` against the float64 reference on out and every gradient (see the tolerance above)."""
+    torch.manual_seed(0)
+    B, Hq, Hkv, T, S, D = shape
+    kw = {key: (val.to(device) if torch.is_tensor(val) else val) for key, val in _mask_kwargs(name, B, T, S).items()}
+    fast_in, plain_in, high_in = _inputs(shape, op, dtype, device)
+    fast = _run(op, *fast_in[:3], tuple(fast_in[3:]), kw, backend="cuda_flash")[0]
+    plain = _run(op, *plain_in[:3], tuple(plain_in[3:]), kw)[1]
+    ref = _run(op, *high_in[:3], tuple(high_in[3:]), kw)[1]
+    assert fast.dtype == dtype and fast.shape == ref.shape
+    assert_low_precision_close(fast, plain, ref, "out")
+    g = torch.randn_like(ref)
+    labels = ["dq", "dk", "dv", {"sink": "dsinks", "affine": "dalpha"}.get(op)]
+    grads = [torch.autograd.grad(o, [t for t in ins if t.requires_grad], g.to(o.dtype))
+             for o, ins in ((fast, fast_in), (plain, plain_in), (ref, high_in))]
+    assert len(grads[0]) == len(grads[2]) == (3 if op == "softmax" else 4)
+    for label, a, b, c in zip(labels, *grads):
+        assert_low_precision_close(a, b, c, label)
+
+
+@pytest.mark.parametrize("name", ["causal", "right_pad", "documents"])
+@pytest.mark.parametrize("op", ["softmax", "sink", "affine"])
+def test_low_precision_check_on_the_cpu_model(op, name, cpu_model):
+    """The GPU test's own code, run here through the CPU model in bf16, so that it runs the first time there."""
+    check_low_precision(op, name, (2, 4, 2, 40, 48, 16), "cpu")
 
 
 @pytest.mark.cuda
@@ -348,21 +383,7 @@ def _inputs(shape, op, dtype):
 @pytest.mark.parametrize("name", list(MASKS))
 @pytest.mark.parametrize("op", ["softmax", "sink", "affine"])
 def test_cuda_kernel_against_float64_reference(op, name, shape):
-    torch.manual_seed(0)
-    B, Hq, Hkv, T, S, D = shape
-    kw = {key: (val.cuda() if torch.is_tensor(val) else val) for key, val in _mask_kwargs(name, B, T, S).items()}
-    fast_in, plain_in, high_in = _inputs(shape, op, torch.bfloat16)
-    fast = _run(op, *fast_in[:3], tuple(fast_in[3:]), kw, backend="cuda_flash")[0]
-    plain = _run(op, *plain_in[:3], tuple(plain_in[3:]), kw)[1]
-    ref = _run(op, *high_in[:3], tuple(high_in[3:]), kw)[1]
-    assert fast.dtype == torch.bfloat16 and fast.shape == ref.shape
-    assert_low_precision_close(fast, plain, ref, "out")
-    g = torch.randn_like(ref)
-    labels = ["dq", "dk", "dv", {"sink": "dsinks", "affine": "dalpha"}.get(op)]
-    grads = [torch.autograd.grad(o, [t for t in ins if t.requires_grad], g.to(o.dtype))
-             for o, ins in ((fast, fast_in), (plain, plain_in), (ref, high_in))]
-    for label, a, b, c in zip(labels, *grads):
-        assert_low_precision_close(a, b, c, label)
+    check_low_precision(op, name, shape, "cuda")
 
 
 @pytest.mark.cuda
