@@ -148,6 +148,7 @@ MASKS = {
     "documents": lambda B, T, S: {"is_causal": True, "document_ids": _docs(B, S, [[3, 9], [S - T + 1]])},
     "documents_open": lambda B, T, S: {"document_ids": _docs(B, S, [[4], [1, 2, S - 2]])},
     "documents_window": lambda B, T, S: {"is_causal": True, "window": 3, "document_ids": _docs(B, S, [[6]])},
+    "documents_shared": lambda B, T, S: {"is_causal": True, "document_ids": _docs(1, S, [[2, S - 3]])},  # (1, S)
     "left_pad": lambda B, T, S: {"is_causal": True, "attn_mask": _keys(B, S, [(3, S), (0, S)])},
     "left_pad_window": lambda B, T, S: {"is_causal": True, "window": 4, "attn_mask": _keys(B, S, [(2, S)])},
     "right_pad": lambda B, T, S: {"is_causal": True, "attn_mask": _keys(B, S, [(0, S - 4), (0, S)])},
