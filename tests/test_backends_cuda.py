@@ -1,5 +1,5 @@
 """cuda_flash without a GPU: the aten calls on meta tensors (shapes, dtypes, lse layout, the backward's wiring), its
-varlen plans through a float64 CPU model of the kernel against the reference, and what `supports` accepts. With a
+varlen plans through a CPU model of the kernel against the float64 reference, and what `supports` accepts. With a
 GPU (`-m cuda`), the real kernel in bf16 against the float64 reference on outputs and every gradient."""
 import dataclasses
 
@@ -19,8 +19,8 @@ CUDA = torch.cuda.is_available()
 BACKEND = get_backend("cuda_flash")
 
 
-# --- a float64 model of FA2's contract: per segment bottom-right alignment, window, lse = +inf on empty rows
-# (whose out and dq it fills with garbage, so that the backend's own zeroing is what the tests check) ---
+# --- a CPU model of FA2's contract (float32 math, float64 for float64 inputs): per-segment bottom-right alignment,
+# window, lse = +inf on empty rows (whose out and dq it fills with garbage: the backend's own zeroing is tested) ---
 
 GARBAGE = 123.0  # what the model writes into rows that see no key
 
@@ -113,7 +113,7 @@ def model_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p,
 
 @pytest.fixture
 def cpu_model(monkeypatch):
-    """cuda_flash's kernel calls served by the float64 CPU model; `supports` sees a bf16 CUDA call (so its mask
+    """cuda_flash's kernel calls served by the CPU model; `supports` sees a bf16 CUDA call (so its mask
     checks still apply) and the platform check passes."""
     monkeypatch.setattr(cuda_flash, "_ops", lambda: (model_forward, model_backward))
     monkeypatch.setattr(cuda_flash, "_platform_reason", lambda: None)
