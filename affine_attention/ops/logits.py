@@ -9,9 +9,10 @@ from .reference import attention_logits, visible_mask
 
 
 def visible_logit_sums(q: Tensor, k: Tensor, *, attn_mask: Tensor | None = None, is_causal: bool = False,
-                       scale: float | None = None, query_mask: Tensor | None = None) -> Tensor:
+                       window: int | None = None, document_ids: Tensor | None = None, scale: float | None = None,
+                       query_mask: Tensor | None = None) -> Tensor:
     """(3, Hq) float64 on the CPU: per head, the sum of the visible logits, the sum of their absolute values and
-    their count. q: (B, Hq, T, D), k: (B, Hkv, S, D); attn_mask: bool as in SDPA (True = may attend);
+    their count. q: (B, Hq, T, D), k: (B, Hkv, S, D); attn_mask, is_causal, window, document_ids: as on the ops;
     query_mask: (B, T) bool, True on real queries (None: all real).
 
     One sequence at a time, so memory peaks at Hq x T x S logits; bf16/fp16 inputs are reduced in float32 and
@@ -20,7 +21,8 @@ def visible_logit_sums(q: Tensor, k: Tensor, *, attn_mask: Tensor | None = None,
     S = k.shape[2]
     if q.dtype not in (torch.float32, torch.float64):
         q, k = q.float(), k.float()
-    vis = visible_mask(attn_mask, is_causal, T, S, q.device)  # (1|B, 1|Hq, T, S)
+    vis = visible_mask(attn_mask, is_causal, T, S, q.device, window=window, document_ids=document_ids)
+    # vis: (1|B, 1|Hq, T, S)
     sums = torch.zeros(3, Hq, dtype=torch.float64)
     for b in range(B):
         logits = attention_logits(q[b:b + 1], k[b:b + 1], scale=scale, enable_gqa=Hq != k.shape[1])  # (1, Hq, T, S)

@@ -151,8 +151,8 @@ def qk_logit_probe(model: nn.Module, tokens: torch.Tensor, autocast) -> dict[str
             q = args[0] if len(args) > 0 else kwargs["q"]
             k = args[1] if len(args) > 1 else kwargs["k"]
             sums[i] += visible_logit_sums(q, k, attn_mask=kwargs.get("attn_mask"),
-                                          is_causal=bool(kwargs.get("is_causal", False)),
-                                          scale=kwargs.get("scale")).sum(1)
+                                          is_causal=bool(kwargs.get("is_causal", False)), window=kwargs.get("window"),
+                                          document_ids=kwargs.get("document_ids"), scale=kwargs.get("scale")).sum(1)
         return hook
 
     handles = [m.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, m in enumerate(mods)]
