@@ -62,10 +62,11 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, base_mod
     """
     from transformers.utils import logging as hf_logging
 
-    from .data import TrainBatches, data_key, eval_sequences, open_source
+    from .data import TrainBatches, data_key, eval_sequences, open_source, separator_id
     from .kd import Teacher, ce_loss
     from .model import build_base, convert, count_params
     from .optim import build_optimizer, set_lr
+    from .packing import model_inputs
     from .pretrained import load_tokenizer
 
     hf_logging.disable_progress_bar()
@@ -90,6 +91,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, base_mod
         raise ValueError(f"the tokenizer {dc.tokenizer!r} has {len(tok)} tokens but model.vocab_size is "
                          f"{cfg.model.vocab_size}; set model.vocab_size >= {len(tok)}")
     source = open_source(dc.train, tok, dc, tc.seed, shuffle=dc.shuffle)
+    doc_sep = separator_id(tok, dc.separator) if dc.document_mask else None  # None: attend across documents
     batches = TrainBatches(source, tc.global_batch, tc.micro_batch, info.rank, info.world)
     held = eval_sequences(dc.eval, tok, dc, max(dc.eval_sequences, dc.probe_sequences)).to(info.device)
 
@@ -111,7 +113,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, base_mod
     if cfg.kd.enabled:
         teacher = Teacher(cfg.kd, student_tok=tok, student_tok_spec=dc.tokenizer, student_vocab=cfg.model.vocab_size,
                           data_key=data_key(source, dc.seq_len), seq_len=dc.seq_len, device=info.device,
-                          rank=info.rank)
+                          rank=info.rank, doc_sep=doc_sep)
     alpha_stats = AlphaStats(model)
     metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=info.is_main)
     if info.is_main:
@@ -157,7 +159,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, base_mod
         model.eval()
         try:
             rec = {"kind": "eval", "step": step}
-            loss = heldout_loss(model, held[:dc.eval_sequences], dc.eval_batch, autocast)
+            loss = heldout_loss(model, held[:dc.eval_sequences], dc.eval_batch, autocast, doc_sep)
             rec.update(heldout_loss=loss, heldout_ppl=math.exp(loss))
             rec.update(qk_logit_probe(model, held[:dc.probe_sequences, :-1], autocast))
             if (a := alpha_ma_per_head(model)):
@@ -197,7 +199,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, base_mod
             inputs, targets = mb[:, :-1], mb[:, 1:]
             with accumulation(model, info, sync=i == n_micro - 1):
                 with autocast():
-                    logits = model(input_ids=inputs).logits  # (b, T, V)
+                    logits = model(**model_inputs(inputs, doc_sep)).logits  # (b, T, V)
                 ce = ce_loss(logits, targets)
                 kd = None
                 if teacher is not None:
@@ -251,6 +253,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, base_mod
               "heldout_ppl": last_eval["heldout_ppl"] if last_eval else None,
               "qk_logit_mean": last_eval["qk_logit_mean"] if last_eval else None,
               "tokens_per_s": tokens_per_step * (tc.steps - start) / train_time if train_time else None,
+              "document_mask": dc.document_mask,
               "train_time_s": train_time, "wall_time_s": wall0 + time.time() - t_seg,
               "process_time_s": time.time() - t_start, "alpha_ma_max_rank_diff": rank_diff}
     metrics.write({"kind": "end", "step": tc.steps, **result})
