@@ -129,3 +129,29 @@ def test_trainer_with_flattening_collator_matches_padded_run(tmp_path):
     # Token-weighted mean over the same real tokens in both; padding is ignored by the padded run's labels.
     assert len(flat) == 3 and flat == pytest.approx(padded, rel=1e-5)
     assert flat[0] != flat[-1]  # it trained
+
+
+def test_training_with_document_mask(tmp_path):
+    """train with data.document_mask = true: the loop feeds restarting positions; losses differ from packing across
+    documents on the same short-document data, and the result records the setting."""
+    import json
+
+    from test_train_helpers import TINY
+
+    from affine_attention.train.config import load_config
+    from affine_attention.train.loop import train
+
+    data = tmp_path / "docs.jsonl"
+    words = "the king and the queen went to see a play in the town of".split()
+    data.write_text("".join(json.dumps({"text": " ".join(words[i % 7:i % 7 + 6])}) + "\n" for i in range(200)))
+    base = TINY + ["data.train.kind='files'", f"data.train.paths=['{data}']", "data.eval.kind='files'",
+                   f"data.eval.paths=['{data}']", f"data.token_cache_dir='{tmp_path / 'tok'}'", "train.steps=2",
+                   "variant.name='affine'"]
+    runs = {}
+    for flag in (True, False):
+        cfg = load_config("tiny", base + [f"data.document_mask={str(flag).lower()}"])
+        runs[flag] = train(cfg, tmp_path / str(flag), log=lambda m: None)
+    assert runs[True]["document_mask"] is True and runs[False]["document_mask"] is False
+    assert runs[True]["heldout_loss"] != runs[False]["heldout_loss"]
+    first = [json.loads(line) for line in (tmp_path / "True" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("kind") == "train" for r in first)
