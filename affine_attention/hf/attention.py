@@ -25,6 +25,7 @@ from transformers.masking_utils import (  # noqa: E402
 from transformers.utils import is_tracing  # noqa: E402
 
 from . import cache as value_cache  # noqa: E402
+from . import packing  # noqa: E402
 
 ATTN_IMPLEMENTATION = "affine_attention"
 # Keyword arguments the attention module's pre-hook adds; transformers forwards them to `attention_forward`.
@@ -107,14 +108,21 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     T, S = query.shape[-2], key.shape[-2]
     mask, is_causal, token_mask = _variant_mask(attention_mask, query.shape[0], T, S, variant.training)
+    # Packed rows (see packing.py) and sliding windows stay structured: the variants get document ids / a window
+    # instead of a dense (T, S) mask, so their fast paths run.
+    document_ids = kwargs.get(packing.DOCS_KWARG)
+    window = sliding_window if is_causal else None
+    if sliding_window is not None and not is_causal:
+        raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: a sliding window ({sliding_window}) with a "
+                         "dense attention mask; pass the mask transformers builds for the model")
     v_mean = None
     cache = kwargs.get(CACHE_KWARG)
-    if cache is not None and variant.uses_value_mean and sliding_window is None and is_causal:
+    if cache is not None and variant.uses_value_mean and window is None and is_causal:
         keys = None if mask is None else mask[:, 0, 0, :]  # (B|1, S)
         v_mean = value_cache.value_mean(cache, module.layer_idx, value, keys, T,
                                         getattr(variant.options, "bias_norm", "visible"))
-    out = variant(query, key, value, x, attn_mask=mask, is_causal=is_causal, scale=scaling, token_mask=token_mask,
-                  v_mean=v_mean)
+    out = variant(query, key, value, x, attn_mask=mask, is_causal=is_causal, window=window,
+                  document_ids=document_ids, scale=scaling, token_mask=token_mask, v_mean=v_mean)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -127,13 +135,13 @@ def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
     The structured forms need the last query aligned with the last key (q_offset + T == kv_offset + S, true for
     dynamic caches and training) and a plain causal pattern: transformers signals pattern changes (packing, extra
     mask functions) with allow_is_causal_skip=False, as its own SDPA skip logic relies on. A sliding window
-    counts as plain when it hides nothing (every key lies inside the last query's window).
+    counts as plain (the variants get it as `window`).
     """
     aligned = (isinstance(q_offset, int) and isinstance(kv_offset, int)
                and q_offset + q_length == kv_offset + kv_length)
-    plain = allow_is_causal_skip and aligned and (
-        (local_size is None and mask_function is causal_mask_function)
-        or (local_size is not None and kv_length <= local_size))
+    # A sliding window is plain too: the attention function receives it as `sliding_window` and hands the
+    # variants `window=`, so only its padding part needs a mask here.
+    plain = allow_is_causal_skip and aligned and (local_size is not None or mask_function is causal_mask_function)
     if not plain:
         kwargs.pop("allow_is_bidirectional_skip", None)
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,

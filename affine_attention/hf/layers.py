@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from ..variants import AttentionShape, build_variant, options_to_dict, parse_options, variant_names
+from . import packing
 from .attention import capture_attention_input
 
 CONFIG_KEY = "affine_attention"  # config.affine_attention = {"variant": name, "options": {...}}
@@ -60,6 +61,7 @@ def attach_variants(model: nn.Module, spec: Mapping[str, Any]) -> None:
         variant.train(attn.training)  # an eval-mode model must not start updating alpha_ma
         attn.add_module(VARIANT_ATTR, variant)
         setattr(attn, _HOOK_ATTR, attn.register_forward_pre_hook(capture_attention_input, with_kwargs=True))
+    packing.attach(model)
 
 
 def variant_spec(model: nn.Module) -> dict[str, Any] | None:

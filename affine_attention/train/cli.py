@@ -63,6 +63,7 @@ def _train(args) -> int:
         for key in ("final_train_loss", "heldout_loss", "heldout_ppl", "tokens_per_s", "wall_time_s"):
             if result.get(key) is not None:
                 print(f"  {key}: {result[key]:.4f}")
+        print(f"  document_mask: {str(result.get('document_mask', False)).lower()} (tokens/s measured with it)")
     return 0
 
 

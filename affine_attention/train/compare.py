@@ -102,6 +102,9 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, re
                "config": cfg.to_dict(), "hardware": hardware(), "versions": versions()}
     if info.is_main:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        masking = ("per document (data.document_mask = true)" if cfg.data.document_mask
+                   else "across document boundaries (data.document_mask = false)")
         (out_dir / "summary.md").write_text(markdown(summary["variants"], f"compare: {out_dir.name}") +
+                                            f"\nAttention in packed rows: {masking}; tokens/s are measured so.\n"
                                             f"\nTotal wall time: {summary['total_wall_time_s']:.0f} s.\n")
     return summary

@@ -78,6 +78,10 @@ class DataConfig:
     tokenizer: str = "default"  # "default" (packaged 4096 BPE), a local folder, a hub name, a *.gguf file or an alias
     seq_len: int = 128
     separator: str = ""  # document separator token; "" = the tokenizer's eos token
+    # Per-document attention in packed rows (position_ids restart after each separator; transformers' packing
+    # signal, also for the KD teacher). Off by default: the paper describes plain concatenate-and-chunk packing, and
+    # the presets compare variants on that setting; turn it on for padding-free per-document training.
+    document_mask: bool = False
     shuffle: bool = True  # corpus and files sources: reshuffle packed sequences every epoch (hub streams keep order)
     train: SourceConfig = field(default_factory=SourceConfig)
     eval: SourceConfig = field(default_factory=lambda: SourceConfig(split="validation"))

@@ -24,6 +24,7 @@ import torch
 from . import checkpoint as ckpt
 from .config import RunConfig
 from .kd import ce_loss
+from .packing import model_inputs
 from .distributed import DistInfo, accumulation, all_equal, all_reduce_sum, barrier, full_state, load_full_state, \
     setup, wrap
 from .metrics import MetricsLog, Progress, TokenStats, heldout_loss, qk_logit_probe, running_buffers, \
@@ -102,7 +103,7 @@ class Trainer:
     # --- building -------------------------------------------------------------------------------------------
     def build_data(self) -> None:
         """The tokenizer, this rank's training batches and the held-out sequences (eval and probe)."""
-        from .data import TrainBatches, eval_sequences, open_source
+        from .data import TrainBatches, eval_sequences, open_source, separator_id
         from .pretrained import load_tokenizer
 
         cfg, dc, tc, info = self.cfg, self.dc, self.tc, self.info
@@ -111,6 +112,8 @@ class Trainer:
             raise ValueError(f"the tokenizer {dc.tokenizer!r} has {len(self.tok)} tokens but model.vocab_size is "
                              f"{cfg.model.vocab_size}; set model.vocab_size >= {len(self.tok)}")
         self.source = open_source(dc.train, self.tok, dc, tc.seed, shuffle=dc.shuffle)
+        # The separator under document masking (packing.py), None to attend across documents.
+        self.doc_sep = separator_id(self.tok, dc.separator) if dc.document_mask else None
         self.batches = TrainBatches(self.source, tc.global_batch, tc.micro_batch, info.rank, info.world)
         self.held = eval_sequences(dc.eval, self.tok, dc, max(dc.eval_sequences, dc.probe_sequences)).to(info.device)
 
@@ -145,7 +148,8 @@ class Trainer:
         if cfg.kd.enabled:
             self.teacher = Teacher(cfg.kd, student_tok=self.tok, student_tok_spec=dc.tokenizer,
                                    student_vocab=cfg.model.vocab_size, data_key=data_key(self.source, dc.seq_len),
-                                   seq_len=dc.seq_len, device=self.info.device, rank=self.info.rank)
+                                   seq_len=dc.seq_len, device=self.info.device, rank=self.info.rank,
+                                   doc_sep=self.doc_sep)
 
     # --- start or resume ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -197,7 +201,7 @@ class Trainer:
             inputs, targets = rows[sl, :-1], rows[sl, 1:]
             with accumulation(model, self.info, sync=i == self.n_micro - 1):
                 with self.autocast():
-                    logits = model(input_ids=inputs).logits  # (b, T, V)
+                    logits = model(**model_inputs(inputs, self.doc_sep)).logits  # (b, T, V)
                 ce = ce_loss(logits, targets)
                 kd = None
                 if teacher is not None:
@@ -261,7 +265,7 @@ class Trainer:
         model.eval()
         try:
             rec = {"kind": "eval", "step": step}
-            loss = heldout_loss(model, self.held[:dc.eval_sequences], dc.eval_batch, self.autocast)
+            loss = heldout_loss(model, self.held[:dc.eval_sequences], dc.eval_batch, self.autocast, self.doc_sep)
             rec.update(heldout_loss=loss, heldout_ppl=math.exp(loss))
             rec.update(qk_logit_probe(model, self.held[:dc.probe_sequences, :-1], self.autocast))
             rec.update(state_per_head(model))
@@ -315,6 +319,7 @@ class Trainer:
                   "qk_logit_mean": ev["qk_logit_mean"] if ev else None,
                   "tokens_per_s": (self.tokens_per_step * (tc.steps - self.start_step) / self.train_time
                                    if self.train_time else None),
+                  "document_mask": self.dc.document_mask,
                   "train_time_s": self.train_time, "wall_time_s": self.wall0 + time.time() - self.t_seg,
                   "process_time_s": time.time() - self.t_start, "alpha_ma_max_rank_diff": rank_diff}
         self.metrics.write({"kind": "end", "step": tc.steps, **result})
