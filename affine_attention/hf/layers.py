@@ -45,6 +45,12 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
     return [layer.self_attn for layer in layers]
 
 
+def layer_shape(config, attn: nn.Module) -> AttentionShape:
+    """The sizes of one attention layer of a transformers model."""
+    head_dim = getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return AttentionShape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim)
+
+
 def attach_variants(model: nn.Module, spec: Mapping[str, Any]) -> None:
     """Give every attention layer an `attn_variant` module and the pre-hook that captures its input x."""
     config = model.config
@@ -52,9 +58,7 @@ def attach_variants(model: nn.Module, spec: Mapping[str, Any]) -> None:
         if hasattr(attn, VARIANT_ATTR):
             raise ValueError(f"layer {attn.layer_idx} already has an attention variant "
                              f"({getattr(attn, VARIANT_ATTR).name!r}); convert an unconverted model")
-        head_dim = getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = AttentionShape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim)
-        variant = build_variant(spec["variant"], shape, **spec["options"])
+        variant = build_variant(spec["variant"], layer_shape(config, attn), **spec["options"])
         ref = attn.q_proj.weight
         # New parameters follow the layer's device and dtype (meta while transformers builds the model to load).
         variant.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)

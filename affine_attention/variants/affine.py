@@ -102,6 +102,17 @@ class AffineAttention(AttentionVariant):
     def state_statistics(self):
         return {"alpha_ma": self.alpha_ma}
 
+    def retrofit(self) -> float:
+        """alpha starts at a constant a = phi(0) (or frozen_alpha); with alpha_ma = a the bias term vanishes, so the
+        output is a * softmax attention. alpha_proj (zero) still gets gradient through alpha * (Attn - mean V)."""
+        a = 0.5 if self.options.frozen_alpha is None else self.options.frozen_alpha  # linear_clip(0) = sigmoid(0)
+        if a <= 0:
+            raise ValueError(f"{self.name}: frozen_alpha = {a} scales attention to zero, so no conversion can "
+                             "preserve the model's function; use frozen_alpha > 0 or function_preserving=False")
+        with torch.no_grad():
+            self.alpha_ma.fill_(a)
+        return a * super().retrofit()
+
     def attend(self, q, k, v, x, *, mask, scale, token_mask, v_mean, backend):
         alpha = self.compute_alpha(x)
         alpha_ma = self._alpha_ma_for_forward(alpha, token_mask)

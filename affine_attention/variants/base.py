@@ -132,6 +132,14 @@ class AttentionVariant(nn.Module):
         """{key: (Hq,)} per-head parameters or running buffers (may be FSDP2 DTensors)."""
         return {}
 
+    def retrofit(self) -> float:
+        """Put a freshly built module into its function-preserving state and return c > 0 such that its output then
+        equals c times softmax attention's (the caller folds 1 / c into the output projection).
+
+        Called by `convert(..., function_preserving=True)` on new modules only; every new parameter must still
+        receive gradient in that state. Variants that cannot preserve the function raise ValueError."""
+        return 1.0
+
     # --- helpers ------------------------------------------------------------------------------
     @property
     def _gqa(self) -> bool:

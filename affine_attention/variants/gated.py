@@ -32,6 +32,10 @@ class GateMixin:
         g = g.view(B, T, Hq, -1).transpose(1, 2)  # (B, Hq, T, D|1)
         return super().finish(out * g.to(out.dtype), x)
 
+    def retrofit(self) -> float:
+        # gate_proj starts at zero: every gate is sigmoid(0) = 0.5 and still gets gradient.
+        return 0.5 * super().retrofit()
+
 
 class GatedAttention(GateMixin, AttentionVariant):
     name = "gated"

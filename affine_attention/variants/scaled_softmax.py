@@ -32,3 +32,9 @@ class ScaledSoftmaxAttention(AttentionVariant):
         if not self.options.learnable:
             return out * self.options.scale
         return out * self.output_scale.to(out.dtype)[None, :, None, None]
+
+    def retrofit(self) -> float:
+        if not self.options.scale > 0:
+            raise ValueError(f"scaled_softmax: scale = {self.options.scale} cannot preserve the model's function "
+                             "(1 / scale is folded into o_proj); use a positive scale")
+        return self.options.scale * super().retrofit()

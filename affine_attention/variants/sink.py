@@ -15,11 +15,23 @@ class SinkOptions:
     init: float = 0.0  # initial sink logit; 0 makes the untrained sink exactly off-by-one
 
 
+# Sink logit of a function-preserving conversion: the sink takes sigmoid(s - lse) of each row's mass, 9e-14 at
+# lse = 0, so a float32 output does not change unless a row's lse is far below 0; its gradient is still not zero
+# (and Adam's update does not depend on the gradient's scale). -15 was measured too high on SmolLM2-135M, whose
+# rows reach lse < -10 (max logit error 0.13).
+RETROFIT_SINK_LOGIT = -30.0
+
+
 class SinkAttention(AttentionVariant):
     name = "sink"
     Options = SinkOptions
     display = Display("Attention sink", OKABE_ITO["blue"], "s", "--")
     state_stats = {"sinks": "sink logit"}
+
+    def retrofit(self) -> float:
+        with torch.no_grad():
+            self.sinks.fill_(RETROFIT_SINK_LOGIT)
+        return super().retrofit()
 
     def __init__(self, shape, options=None):
         super().__init__(shape, options)
@@ -54,6 +66,11 @@ class OffByOneAttention(SinkAttention):
 
     def __init__(self, shape, options=None):
         AttentionVariant.__init__(self, shape, options)
+
+    def retrofit(self) -> float:
+        raise ValueError("off_by_one adds a fixed +1 to every softmax denominator and has no parameter that could "
+                         "start it at plain softmax, so it cannot preserve a model's function; use 'sink' (a "
+                         "learnable logit that starts at a negligible mass) or function_preserving=False")
 
     def _sink_logits(self):
         return torch.zeros(self.shape.num_heads)
