@@ -67,6 +67,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, base_mod
     from .model import build_base, convert, count_params
     from .optim import build_optimizer, set_lr
     from .pretrained import load_tokenizer
+    from ..variants.running_stats import step_running_stats  # [running stats]
 
     hf_logging.disable_progress_bar()
     t_start = time.time()
@@ -211,6 +212,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, base_mod
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         optimizer.step()
+        step_running_stats(hf_model)  # [running stats] one alpha_ma EMA step per optimizer step, over all ranks
         optimizer.zero_grad(set_to_none=True)
         sums = all_reduce_sum(sums.to(info.device), info).cpu() / (n_micro * info.world)
         dt = time.time() - t0
