@@ -30,6 +30,7 @@ ATTN_IMPLEMENTATION = "affine_attention"
 # Keyword arguments the attention module's pre-hook adds; transformers forwards them to `attention_forward`.
 X_KWARG = "affine_attention_x"
 CACHE_KWARG = "affine_attention_cache"
+TRUSTED_KWARG = "affine_attention_cache_trusted"
 
 
 def capture_attention_input(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
@@ -45,8 +46,7 @@ def capture_attention_input(module: nn.Module, args: tuple, kwargs: dict[str, An
     kwargs = dict(kwargs)
     kwargs[X_KWARG] = x
     kwargs[CACHE_KWARG] = cache
-    if cache is not None:
-        value_cache.before_update(cache, module.layer_idx)
+    kwargs[TRUSTED_KWARG] = cache is not None and value_cache.before_update(cache, module.layer_idx)
     return args, kwargs
 
 
@@ -112,7 +112,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     if cache is not None and variant.uses_value_mean and sliding_window is None and is_causal:
         keys = None if mask is None else mask[:, 0, 0, :]  # (B|1, S)
         v_mean = value_cache.value_mean(cache, module.layer_idx, value, keys, T,
-                                        getattr(variant.options, "bias_norm", "visible"))
+                                        getattr(variant.options, "bias_norm", "visible"), kwargs.get(TRUSTED_KWARG, False))
     out = variant(query, key, value, x, attn_mask=mask, is_causal=is_causal, scale=scaling, token_mask=token_mask,
                   v_mean=v_mean)
     return out.transpose(1, 2).contiguous(), None
