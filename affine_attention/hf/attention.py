@@ -78,6 +78,30 @@ def _variant_mask(mask: Tensor | None, B: int, T: int, S: int, training: bool):
     return mask, False, token_mask
 
 
+# Every layer of one model forward receives the same mask object (one per layer type): the first layer parses it,
+# the others reuse that. Eager only (a compiled graph parses once at trace time anyway); only structured
+# (B|1, 1, 1, S) masks, whose parse is a function of the object's shape and dtype plus views of it, so a memo
+# entry can never go stale; strong references to at most _MEMO_SIZE small masks, replaced as new ones come.
+_MASK_MEMO: list[tuple[Tensor, tuple, tuple]] = []
+_MEMO_SIZE = 4  # mask objects per forward: one per layer type (full, sliding), with room for two forwards
+
+
+def _parsed_mask(mask: Tensor | None, B: int, T: int, S: int, training: bool):
+    """`_variant_mask`, computed once per mask object and shape (the decode hot path: once per model forward)."""
+    if mask is None:
+        return None, True, None
+    if torch.compiler.is_compiling() or not isinstance(mask, Tensor) or mask.dim() != 4 or mask.shape[-2] != 1:
+        return _variant_mask(mask, B, T, S, training)
+    key = (B, T, S, training)
+    for m, k, parsed in _MASK_MEMO:
+        if m is mask and k == key:
+            return parsed
+    parsed = _variant_mask(mask, B, T, S, training)
+    _MASK_MEMO.insert(0, (mask, key, parsed))
+    del _MASK_MEMO[_MEMO_SIZE:]
+    return parsed
+
+
 def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                       dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
                       **kwargs) -> tuple[Tensor, None]:
@@ -106,7 +130,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     T, S = query.shape[-2], key.shape[-2]
-    mask, is_causal, token_mask = _variant_mask(attention_mask, query.shape[0], T, S, variant.training)
+    mask, is_causal, token_mask = _parsed_mask(attention_mask, query.shape[0], T, S, variant.training)
     v_mean = None
     cache = kwargs.get(CACHE_KWARG)
     if cache is not None and variant.uses_value_mean and sliding_window is None and is_causal:

@@ -92,20 +92,27 @@ def value_mean(cache, layer_idx: int, value: Tensor, keys: Tensor | None, T: int
     acc = float_acc(value.dtype)
     B, Hkv, S, D = value.shape
     P = S - T
-    km = None if keys is None else keys.to(acc)[:, None, :, None]  # (B|1, 1, S, 1)
     total = getattr(layer, _SUM, None)
     if trusted and total is not None and total.shape[0] == B and _same_keys(getattr(layer, _KEYS), keys, P):
         base_total, base_count = total, getattr(layer, _COUNT)
     else:  # first step, or the cache changed under us: rebuild from the cache (exact, O(S * D) once)
-        base_total, base_count = _sum_cached(value[:, :, :P], None if km is None else km[:, :, :P])
+        km = None if keys is None else keys[:, None, :P, None].to(acc)  # (B|1, 1, P, 1)
+        base_total, base_count = _sum_cached(value[:, :, :P], km)
     new = value[:, :, P:].to(acc)  # (B, Hkv, T, D)
-    if km is not None:
-        new = new * km[:, :, P:]
-        new_count = km[:, :, P:].cumsum(-2)  # (B|1, 1, T, 1)
+    if T == 1:  # the decode hot path: O(D), two small ops
+        if keys is None:
+            total, count = base_total + new, base_count + 1.0
+        else:
+            last = keys[:, None, P:, None].to(acc)  # (B|1, 1, 1, 1)
+            total, count = torch.addcmul(base_total, new, last), base_count + last
     else:
-        new_count = torch.arange(1, T + 1, dtype=acc, device=value.device)[None, None, :, None]
-    total = base_total + new.cumsum(-2)  # (B, Hkv, T, D): query i sees every cached position up to P + i
-    count = base_count + new_count
+        if keys is None:
+            new_count = torch.arange(1, T + 1, dtype=acc, device=value.device)[None, None, :, None]
+        else:
+            km = keys[:, None, P:, None].to(acc)  # (B|1, 1, T, 1)
+            new, new_count = new * km, km.cumsum(-2)
+        total = base_total + new.cumsum(-2)  # (B, Hkv, T, D): query i sees every cached position up to P + i
+        count = base_count + new_count
     setattr(layer, _SUM, total[:, :, -1:].detach())
     setattr(layer, _COUNT, count[:, :, -1:].detach())
     setattr(layer, _KEYS, keys)
