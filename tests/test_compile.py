@@ -49,7 +49,10 @@ def check_training_step(family, variant, padded, backend):
         torch.testing.assert_close(p.grad, grads[n].grad, rtol=0, atol=TOL, msg=n)
     buffers = dict(eager.named_buffers())
     for n, b in compiled_model.named_buffers():  # alpha_acc: the statistic accumulated exactly once, like eager
-        assert torch.equal(b, buffers[n]), n
+        if n.endswith("alpha_acc"):  # (per-head sums of alpha in units of 2**-32, token count): counts exact
+            assert b[-1] == buffers[n][-1] > 0, n
+            torch.testing.assert_close(b[:-1] / b[-1] / 2.0 ** 32, buffers[n][:-1] / b[-1] / 2.0 ** 32,
+                                       rtol=0, atol=TOL, msg=n)  # inductor's alpha may differ in the last ulp
     for m in (eager, compiled_model):
         affine_attention.step_running_stats(m)
     for n, b in compiled_model.named_buffers():
