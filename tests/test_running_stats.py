@@ -59,6 +59,26 @@ def test_training_without_stepping_warns_once(monkeypatch):
     assert not [w for w in caught if issubclass(w.category, running_stats.RunningStatsWarning)]
 
 
+@pytest.mark.parametrize("stepped", [True, False])
+def test_two_optimizers_per_iteration_warn_only_when_never_stepped(stepped, monkeypatch):
+    monkeypatch.setattr(running_stats, "_WARNED", False)
+    m = model()
+    params = list(m.parameters())
+    optimizers = [torch.optim.SGD(params[::2], lr=0.1), torch.optim.SGD(params[1::2], lr=0.1)]
+    ids, mask, pos = left_padded(T=6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            m(ids, attention_mask=mask, position_ids=pos, labels=ids).loss.backward()
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad()
+            if stepped:
+                affine_attention.step_running_stats(m)
+    ours = [w for w in caught if issubclass(w.category, running_stats.RunningStatsWarning)]
+    assert len(ours) == (0 if stepped else 1)
+
+
 def test_step_arguments_and_models_without_statistics():
     assert affine_attention.step_running_stats(tiny("llama", "sink")) == 0
     with pytest.raises(ValueError, match="group was given but torch.distributed is not initialised"):

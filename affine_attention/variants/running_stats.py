@@ -61,14 +61,15 @@ def step_running_stats(model: nn.Module, group=None) -> int:
 
 
 # --- the loud warning when nobody steps -----------------------------------------------------------------------
-# A global optimizer post-step hook (outside any model forward, so nothing here is traced by torch.compile):
-# after the second optimizer step of a process in which a module accumulated statistics in training mode but
-# `step_running_stats` never reached it, warn once. It reads one count (a single host sync, once) and then
-# stops watching, so a correctly stepped run pays nothing.
+# A global optimizer post-step hook (outside any model forward, so nothing here is traced by torch.compile) reads
+# each watched training-mode module's pending token count. A count that grew since the previous optimizer step means
+# forwards of a new step accumulated on top of a step that was never applied: warn once. Several optimizers stepping
+# in one iteration do not trigger it (no forward in between). `step_running_stats` stops the watch, so a correctly
+# stepped run reads the counts once, at its first optimizer step; a module that stays idle is dropped after a few.
 _WATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _HOOK = None
 _WARNED = False
-_GRACE_STEPS = 2  # step 1's statistics are legitimately still pending when its post-step hook runs
+_IDLE_CHECKS = 8  # optimizer steps with nothing accumulated before an idle module is no longer watched
 _MESSAGE = ("affine_attention: this model is training but its running statistics are never stepped, so alpha_ma "
             "stays frozen at its current value (0 for a new model). Call `affine_attention.step_running_stats(model)` "
             "once per optimizer step (on every rank), or give the transformers Trainer `callbacks=[RunningStatsCallback()]` "
@@ -78,7 +79,8 @@ _MESSAGE = ("affine_attention: this model is training but its running statistics
 def watch(module: nn.Module) -> None:
     """Called by a module with running statistics when it is built: warn once if training never steps it."""
     global _HOOK
-    module._optimizer_steps_unstepped = 0
+    module._pending_at_last_optimizer_step = None
+    module._idle_optimizer_steps = 0
     _WATCHED.add(module)
     if _HOOK is None:
         _HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
@@ -86,19 +88,19 @@ def watch(module: nn.Module) -> None:
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
     global _WARNED
-    if not _WATCHED:
-        return
-    due = []
-    for m in list(_WATCHED):
-        if m.training:
-            m._optimizer_steps_unstepped += 1
-            if m._optimizer_steps_unstepped >= _GRACE_STEPS:
-                due.append(m)
+    due = [m for m in list(_WATCHED) if m.training]
     if not due:
         return
+    grew = False
     for m in due:
-        _WATCHED.discard(m)
-    seen = sum(int(m.alpha_acc[-1]) for m in due)  # once per module, then never again
-    if seen > 0 and not _WARNED:
+        count = int(m.alpha_acc[-1])
+        last = m._pending_at_last_optimizer_step
+        grew |= last is not None and count > last
+        m._pending_at_last_optimizer_step = count
+        m._idle_optimizer_steps = m._idle_optimizer_steps + 1 if count == 0 else 0
+        if m._idle_optimizer_steps >= _IDLE_CHECKS:
+            _WATCHED.discard(m)
+    if grew and not _WARNED:
         _WARNED = True
+        _WATCHED.clear()
         warnings.warn(_MESSAGE, RunningStatsWarning, stacklevel=3)
