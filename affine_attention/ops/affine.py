@@ -10,13 +10,14 @@ from torch import Tensor
 
 from .._compat import float_acc
 from ._validate import check_bias_norm, check_per_head, check_per_query, check_qkv, check_scale
-from .kernel import softmax_kernel
+from .backends import attention as kernel_attention
 from .masks import parse_mask, visible_sum_and_count
 
 
 def affine_scaled_attention(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, alpha_ma: Tensor, *,
                             attn_mask: Tensor | None = None, is_causal: bool = False, scale: float | None = None,
-                            bias_norm: str = "visible", enable_gqa: bool = False,
+                            bias_norm: str = "visible", enable_gqa: bool = False, window: int | None = None,
+                            document_ids: Tensor | None = None, backend: str | None = None,
                             v_mean: Tensor | None = None) -> Tensor:
     """Affine-Scaled Attention: a_ij = alpha_i * softmax_j(q_i.k_j * scale) + (alpha_ma - alpha_i) / N_i.
 
@@ -24,6 +25,8 @@ def affine_scaled_attention(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, alph
     attn_mask: bool broadcastable to (B, Hq, T, S), True = may attend. is_causal aligns the last query with the
     last key (bottom-right), so T < S continues a cache. N_i is the number of keys query i may see
     (bias_norm="visible"); bias_norm="full" uses N = S for every query and exists only as an ablation.
+    window: each query sees at most its last `window` keys (needs is_causal). document_ids: (B, S) int,
+    non-decreasing: a query sees only keys of its own document. backend: force a kernel backend by name.
     v_mean: optional precomputed mean of the visible values, (B, Hkv, T, D) float32, e.g. from a decoding
     cache's running sum; it replaces the masked mean and must follow the same bias_norm.
     A query that sees no key returns zeros.
@@ -33,9 +36,9 @@ def affine_scaled_attention(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, alph
     check_per_head("alpha_ma", alpha_ma, Hq)
     check_bias_norm(bias_norm)
     scale = check_scale(scale, D)
-    mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device)
+    mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device, window=window, document_ids=document_ids)
 
-    attn = softmax_kernel(q, k, v, mask, scale)
+    attn, _ = kernel_attention(q, k, v, mask, scale, backend=backend)
     acc = float_acc(q.dtype)
     if v_mean is None:
         total, count = visible_sum_and_count(v, mask, Hq)

@@ -15,6 +15,10 @@ class MaskSpec:
       torch SDPA aligns top-left, which is wrong once queries follow a cache.
     keys: (B|1, 1, 1, S) bool, a key-only mask (padding); None if absent.
     dense: bool broadcastable to (B, Hq, T, S), any other mask; None if absent. Forces the exact slow paths.
+    window: each query sees at most its last `window` keys, itself included (transformers' sliding_window),
+      bottom-right aligned: query i sees key j iff i + S - T - window < j; always combined with causal.
+    documents: (B|1, S) int64 document id of every key position, non-decreasing along S (packed rows); query i
+      has the id of key position i + S - T and sees only keys of its own document. None if absent.
     """
 
     T: int
@@ -22,6 +26,25 @@ class MaskSpec:
     causal: bool
     keys: Tensor | None
     dense: Tensor | None
+    window: int | None = None
+    documents: Tensor | None = None
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        """The mask kinds in force: a subset of {"causal", "keys", "window", "documents", "dense"}; a backend
+        declares which it handles. A causal rule that hides nothing (one query after its cache) is not listed."""
+        kinds = set()
+        if self.causal and not self.causal_is_trivial:
+            kinds.add("causal")
+        if self.keys is not None:
+            kinds.add("keys")
+        if self.window is not None and self.window < self.S:
+            kinds.add("window")
+        if self.documents is not None:
+            kinds.add("documents")
+        if self.dense is not None:
+            kinds.add("dense")
+        return frozenset(kinds)
 
     @property
     def offset(self) -> int:
@@ -45,23 +68,70 @@ class MaskSpec:
 
     def dense_bool(self, device: torch.device) -> Tensor:
         """Everything combined as one bool mask broadcastable to (B, Hq, T, S); used only on exact slow paths."""
-        m = torch.ones(1, 1, self.T, self.S, dtype=torch.bool, device=device)
+        return self.chunk_bool(0, self.T, device)
+
+    def chunk_bool(self, start: int, stop: int, device: torch.device) -> Tensor:
+        """Visibility of queries start..stop-1 as one bool mask broadcastable to (B, Hq, stop - start, S)."""
+        i = torch.arange(start, stop, device=device)[:, None] + self.offset  # absolute position of each query
+        j = torch.arange(self.S, device=device)[None, :]
+        m = torch.ones(stop - start, self.S, dtype=torch.bool, device=device)
         if self.causal:
-            m = m & self.causal_bool(device)
+            m = m & (j <= i)
+        if self.window is not None:
+            m = m & (j > i - self.window)
+        m = m[None, None]
+        if self.documents is not None:
+            qdoc = self.documents[:, self.offset + start:self.offset + stop]  # (B|1, C)
+            m = m & (qdoc[:, None, :, None] == self.documents[:, None, None, :])
         if self.keys is not None:
             m = m & self.keys
         if self.dense is not None:
-            m = m & self.dense
+            m = m & self.dense[:, :, start:stop] if self.dense.shape[2] != 1 else m & self.dense
         return m
 
 
+def _check_window(window, is_causal: bool) -> int | None:
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int (each query sees at most its last `window` keys, itself "
+                         f"included) or None, got {window!r}")
+    if not is_causal:
+        raise ValueError("window needs is_causal=True: the sliding window counts back from each query's own "
+                         "position (transformers' sliding_window); for other patterns pass a boolean attn_mask")
+    return window
+
+
+def _check_documents(document_ids, B: int, T: int, S: int, device: torch.device) -> Tensor | None:
+    if document_ids is None:
+        return None
+    if not isinstance(document_ids, Tensor):
+        raise ValueError(f"document_ids must be an integer tensor of shape (B, S) or None, got "
+                         f"{type(document_ids).__name__}")
+    if document_ids.is_floating_point() or document_ids.is_complex() or document_ids.dtype == torch.bool:
+        raise ValueError(f"document_ids must be an integer tensor (one document id per key position), got dtype "
+                         f"{document_ids.dtype}")
+    if document_ids.dim() != 2 or document_ids.shape[0] not in (1, B) or document_ids.shape[1] != S:
+        raise ValueError(f"document_ids must have shape (B, S) = {(B, S)} (queries are the last T = {T} "
+                         f"positions), got {tuple(document_ids.shape)}")
+    if document_ids.device != device:
+        raise ValueError(f"document_ids is on {document_ids.device} but q is on {device}")
+    if S > 1 and not torch.compiler.is_compiling() and bool((document_ids[:, 1:] < document_ids[:, :-1]).any()):
+        raise ValueError("document_ids must be non-decreasing along each row (packed documents one after another); "
+                         "for other patterns pass a boolean attn_mask")
+    return document_ids.long()
+
+
 def parse_mask(attn_mask: Tensor | None, is_causal: bool, B: int, Hq: int, T: int, S: int,
-               device: torch.device) -> MaskSpec:
-    """Validate attn_mask (bool, broadcastable to (B, Hq, T, S), True = may attend) and classify it."""
+               device: torch.device, *, window: int | None = None, document_ids: Tensor | None = None) -> MaskSpec:
+    """Validate attn_mask (bool, broadcastable to (B, Hq, T, S), True = may attend), window and document_ids
+    ((B, S) int), and classify them."""
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
+    window = _check_window(window, is_causal)
+    documents = _check_documents(document_ids, B, T, S, device)
     if attn_mask is None:
-        return MaskSpec(T, S, is_causal, None, None)
+        return MaskSpec(T, S, is_causal, None, None, window, documents)
     if not isinstance(attn_mask, Tensor):
         raise ValueError(f"attn_mask must be a bool tensor or None, got {type(attn_mask).__name__}")
     if attn_mask.dtype != torch.bool:
@@ -79,8 +149,8 @@ def parse_mask(attn_mask: Tensor | None, is_causal: bool, B: int, Hq: int, T: in
     if m.device != device:
         raise ValueError(f"attn_mask is on {m.device} but q is on {device}")
     if m.shape[1] == 1 and m.shape[2] == 1:
-        return MaskSpec(T, S, is_causal, m, None)
-    return MaskSpec(T, S, is_causal, None, m)
+        return MaskSpec(T, S, is_causal, m, None, window, documents)
+    return MaskSpec(T, S, is_causal, None, m, window, documents)
 
 
 def visible_sum_and_count(v: Tensor, mask: MaskSpec, Hq: int) -> tuple[Tensor, Tensor]:
@@ -94,7 +164,7 @@ def visible_sum_and_count(v: Tensor, mask: MaskSpec, Hq: int) -> tuple[Tensor, T
 
     acc = float_acc(v.dtype)
     B, Hkv, S, D = v.shape
-    if mask.dense is not None:
+    if mask.dense is not None or mask.window is not None or mask.documents is not None:
         vis = mask.dense_bool(v.device).to(acc)  # (B|1, H|1, T, S): slow exact path only
         vh = v.to(acc)
         if vis.shape[1] != 1 and Hq != Hkv:

@@ -11,12 +11,20 @@ from torch import Tensor
 from ._validate import check_bias_norm, check_per_head, check_per_query, check_qkv, check_scale
 
 
-def visible_mask(attn_mask: Tensor | None, is_causal: bool, T: int, S: int, device) -> Tensor:
-    """(1|B, 1|Hq, T, S) bool: causal rule j <= i + (S - T) (bottom-right), combined with attn_mask."""
+def visible_mask(attn_mask: Tensor | None, is_causal: bool, T: int, S: int, device, *, window: int | None = None,
+                 document_ids: Tensor | None = None) -> Tensor:
+    """(1|B, 1|Hq, T, S) bool: causal rule j <= i + (S - T) (bottom-right), the sliding window (key j visible to
+    query i iff i + S - T - j < window), documents (document_ids: (B, S); query i has the id of position
+    i + S - T), combined with attn_mask."""
     vis = torch.ones(T, S, dtype=torch.bool, device=device)
     if is_causal:
         vis = torch.tril(vis, diagonal=S - T)
+    if window is not None:
+        vis = vis & ~torch.tril(torch.ones_like(vis), diagonal=S - T - window)
     vis = vis[None, None]
+    if document_ids is not None:
+        docs = document_ids.to(device)
+        vis = vis & (docs[:, None, S - T:, None] == docs[:, None, None, :])
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool:
             raise ValueError(f"attn_mask must be a boolean tensor (True = may attend), got dtype {attn_mask.dtype}")
@@ -50,25 +58,27 @@ def _softmax_rows(logits: Tensor, vis: Tensor, extra_logit: Tensor | None = None
     return p[..., :-1] if extra_logit is not None else p
 
 
-def softmax_attention_reference(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+def softmax_attention_reference(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+                               window=None, document_ids=None):
     """Plain softmax attention. q: (B, Hq, T, D), k, v: (B, Hkv, S, D) -> (out (B, Hq, T, D), w (B, Hq, T, S))."""
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
-    vis = visible_mask(attn_mask, is_causal, T, S, q.device)
+    vis = visible_mask(attn_mask, is_causal, T, S, q.device, window=window, document_ids=document_ids)
     w = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa), vis)
     return w @ _expand_v(v, Hq), w
 
 
-def sink_attention_reference(q, k, v, sinks, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+def sink_attention_reference(q, k, v, sinks, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+                            window=None, document_ids=None):
     """Sink attention; sinks: (Hq,). Returns (out (B, Hq, T, D), w (B, Hq, T, S)); sink mass = 1 - w.sum(-1)."""
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
     check_per_head("sinks", sinks, Hq)
-    vis = visible_mask(attn_mask, is_causal, T, S, q.device)
+    vis = visible_mask(attn_mask, is_causal, T, S, q.device, window=window, document_ids=document_ids)
     w = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa), vis, extra_logit=sinks)
     return w @ _expand_v(v, Hq), w
 
 
 def affine_scaled_attention_reference(q, k, v, alpha, alpha_ma, *, attn_mask=None, is_causal=False, scale=None,
-                                      bias_norm="visible", enable_gqa=False):
+                                      bias_norm="visible", enable_gqa=False, window=None, document_ids=None):
     """a_ij = alpha_i p_ij + (alpha_ma - alpha_i) / N_i on visible keys, 0 on masked keys.
 
     alpha: (B, Hq, T), alpha_ma: (Hq,). N_i = visible keys of query i ("visible") or S ("full").
@@ -78,7 +88,7 @@ def affine_scaled_attention_reference(q, k, v, alpha, alpha_ma, *, attn_mask=Non
     check_per_query("alpha", alpha, B, Hq, T)
     check_per_head("alpha_ma", alpha_ma, Hq)
     check_bias_norm(bias_norm)
-    vis = visible_mask(attn_mask, is_causal, T, S, q.device)
+    vis = visible_mask(attn_mask, is_causal, T, S, q.device, window=window, document_ids=document_ids)
     p = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa), vis)
     vis = vis.expand(B, Hq, T, S)
     n = vis.sum(-1, keepdim=True).to(q.dtype) if bias_norm == "visible" else torch.full_like(p[..., :1], S)

@@ -5,42 +5,48 @@ import torch
 from torch import Tensor
 
 from ._validate import check_per_head, check_qkv, check_scale
-from .kernel import softmax_kernel
+from .backends import attention as kernel_attention
 from .masks import parse_mask
 
 
 def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, *, attn_mask: Tensor | None = None,
-                   is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Tensor:
+                   is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                   window: int | None = None, document_ids: Tensor | None = None,
+                   backend: str | None = None) -> Tensor:
     """p_ij = exp(x_ij) / (sum_k exp(x_ik) + exp(sinks[h])); out_i = sum_j p_ij v_j.
 
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D); sinks: (Hq,) logits, learnable. Returns (B, Hq, T, D).
-    Mask semantics as affine_scaled_attention (bool, True = may attend; causal aligned bottom-right).
+    Mask semantics (attn_mask, is_causal, window, document_ids) and backend as affine_scaled_attention.
     """
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
     check_per_head("sinks", sinks, Hq)
     scale = check_scale(scale, D)
-    mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device)
-    return softmax_kernel(q, k, v, mask, scale, sinks=sinks)
+    mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device, window=window, document_ids=document_ids)
+    return kernel_attention(q, k, v, mask, scale, sinks=sinks, backend=backend)[0]
 
 
 def off_by_one_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
-                         is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Tensor:
+                         is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                         window: int | None = None, document_ids: Tensor | None = None,
+                         backend: str | None = None) -> Tensor:
     """Softmax with +1 in the denominator: sink_attention with every sink logit fixed at 0.
 
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D). Returns (B, Hq, T, D).
     """
     sinks = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
     return sink_attention(q, k, v, sinks, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                          enable_gqa=enable_gqa)
+                          enable_gqa=enable_gqa, window=window, document_ids=document_ids, backend=backend)
 
 
 def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
-                      is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Tensor:
+                      is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                      window: int | None = None, document_ids: Tensor | None = None,
+                      backend: str | None = None) -> Tensor:
     """Standard attention with this library's mask semantics (causal aligned bottom-right, empty rows -> 0).
 
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D). Returns (B, Hq, T, D).
     """
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
     scale = check_scale(scale, D)
-    mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device)
-    return softmax_kernel(q, k, v, mask, scale)
+    mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device, window=window, document_ids=document_ids)
+    return kernel_attention(q, k, v, mask, scale, backend=backend)[0]

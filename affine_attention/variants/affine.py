@@ -107,17 +107,16 @@ class AffineAttention(AttentionVariant):
         ma.copy_(torch.where(count > 0, new, ma.to(dt)))
         self.alpha_acc.zero_()
 
-    def attend(self, q, k, v, x, *, attn_mask, is_causal, scale, token_mask, v_mean):
+    def attend(self, q, k, v, x, *, mask, scale, token_mask, v_mean, backend):
         alpha = self.compute_alpha(x)
         alpha_ma = self._alpha_ma_for_forward(alpha, token_mask)
-        return affine_scaled_attention(q, k, v, alpha, alpha_ma, attn_mask=attn_mask, is_causal=is_causal,
-                                       scale=scale, bias_norm=self.options.bias_norm, enable_gqa=self._gqa,
-                                       v_mean=v_mean)
+        return affine_scaled_attention(q, k, v, alpha, alpha_ma, **mask, scale=scale,
+                                       bias_norm=self.options.bias_norm, enable_gqa=self._gqa, v_mean=v_mean,
+                                       backend=backend)
 
-    def attend_reference(self, q, k, v, x, *, attn_mask, is_causal, scale):
+    def attend_reference(self, q, k, v, x, *, mask, scale):
         alpha = self.compute_alpha(x).to(q.dtype)
-        out, w = affine_scaled_attention_reference(q, k, v, alpha, self.alpha_ma.to(q.dtype), attn_mask=attn_mask,
-                                                   is_causal=is_causal, scale=scale,
+        out, w = affine_scaled_attention_reference(q, k, v, alpha, self.alpha_ma.to(q.dtype), **mask, scale=scale,
                                                    bias_norm=self.options.bias_norm, enable_gqa=self._gqa)
         return out, w, {"alpha": alpha}
 

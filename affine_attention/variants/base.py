@@ -50,30 +50,34 @@ class AttentionVariant(nn.Module):
         self.options = options if options is not None else self.Options()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, *, attn_mask: Tensor | None = None,
-                is_causal: bool = False, scale: float | None = None, token_mask: Tensor | None = None,
-                v_mean: Tensor | None = None) -> Tensor:
+                is_causal: bool = False, window: int | None = None, document_ids: Tensor | None = None,
+                scale: float | None = None, token_mask: Tensor | None = None, v_mean: Tensor | None = None,
+                backend: str | None = None) -> Tensor:
+        """window / document_ids ((B, S) int) / backend: as on the ops (see affine_attention.ops)."""
         self._check_x(x, q)
-        out = self.attend(q, k, v, x, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                          token_mask=token_mask, v_mean=v_mean)
+        mask = dict(attn_mask=attn_mask, is_causal=is_causal, window=window, document_ids=document_ids)
+        out = self.attend(q, k, v, x, mask=mask, scale=scale, token_mask=token_mask, v_mean=v_mean,
+                          backend=backend)
         return self.finish(out, x)
 
     def reference(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, *, attn_mask: Tensor | None = None,
-                  is_causal: bool = False, scale: float | None = None) -> tuple[Tensor, Tensor, dict[str, Any]]:
+                  is_causal: bool = False, window: int | None = None, document_ids: Tensor | None = None,
+                  scale: float | None = None) -> tuple[Tensor, Tensor, dict[str, Any]]:
         """Eager form for analysis: (out (B, Hq, T, D), weights (B, Hq, T, S), extras such as alpha or sink mass).
 
         Never updates state (alpha_ma stays as it is)."""
         self._check_x(x, q)
-        out, w, extras = self.attend_reference(q, k, v, x, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+        mask = dict(attn_mask=attn_mask, is_causal=is_causal, window=window, document_ids=document_ids)
+        out, w, extras = self.attend_reference(q, k, v, x, mask=mask, scale=scale)
         return self.finish(out, x), w, extras
 
     # --- what subclasses override -------------------------------------------------------------
-    def attend(self, q, k, v, x, *, attn_mask, is_causal, scale, token_mask, v_mean) -> Tensor:
-        return softmax_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                 enable_gqa=self._gqa)
+    # mask: the op keywords attn_mask, is_causal, window, document_ids, passed on unchanged.
+    def attend(self, q, k, v, x, *, mask: dict[str, Any], scale, token_mask, v_mean, backend) -> Tensor:
+        return softmax_attention(q, k, v, **mask, scale=scale, enable_gqa=self._gqa, backend=backend)
 
-    def attend_reference(self, q, k, v, x, *, attn_mask, is_causal, scale):
-        out, w = softmax_attention_reference(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                             enable_gqa=self._gqa)
+    def attend_reference(self, q, k, v, x, *, mask: dict[str, Any], scale):
+        out, w = softmax_attention_reference(q, k, v, **mask, scale=scale, enable_gqa=self._gqa)
         return out, w, {}
 
     def finish(self, out: Tensor, x: Tensor) -> Tensor:

@@ -26,13 +26,13 @@ class SinkAttention(AttentionVariant):
     def _sink_logits(self):
         return self.sinks
 
-    def attend(self, q, k, v, x, *, attn_mask, is_causal, scale, token_mask, v_mean):
-        return sink_attention(q, k, v, self._sink_logits().to(q.device), attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                              enable_gqa=self._gqa)
+    def attend(self, q, k, v, x, *, mask, scale, token_mask, v_mean, backend):
+        return sink_attention(q, k, v, self._sink_logits().to(q.device), **mask, scale=scale, enable_gqa=self._gqa,
+                              backend=backend)
 
-    def attend_reference(self, q, k, v, x, *, attn_mask, is_causal, scale):
-        out, w = sink_attention_reference(q, k, v, self._sink_logits().to(q.device, q.dtype), attn_mask=attn_mask,
-                                          is_causal=is_causal, scale=scale, enable_gqa=self._gqa)
+    def attend_reference(self, q, k, v, x, *, mask, scale):
+        out, w = sink_attention_reference(q, k, v, self._sink_logits().to(q.device, q.dtype), **mask, scale=scale,
+                                          enable_gqa=self._gqa)
         return out, w, {"sink_mass": 1.0 - w.sum(-1)}
 
 
