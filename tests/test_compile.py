@@ -85,6 +85,33 @@ def check_decoding_step(family, variant, kind, backend):
             torch.testing.assert_close(got, ref, rtol=0, atol=TOL)
 
 
+def test_compiled_decoding_rebuilds_the_running_sum_after_cache_operations():
+    """The trust check (`values is` the summed tensor) is an identity test inside the graph: after a beam reorder
+    (same shapes) or a crop between compiled steps, the next compiled step must rebuild the sum, like eager."""
+    model = _model("llama", "affine").eval()
+    ids, mask, pos = _batch(False)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    caches = {"eager": DynamicCache(config=model.config), "compiled": DynamicCache(config=model.config)}
+    with torch.no_grad():
+        for cache in caches.values():
+            model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+        for t, op in enumerate([None, "reorder", None, "crop", None]):
+            for cache in caches.values():
+                if op == "reorder":
+                    cache.reorder_cache(torch.tensor([2, 0, 1]))
+                elif op == "crop":
+                    cache.crop(-2)
+            length = caches["eager"].get_seq_length()
+            kw = dict(attention_mask=torch.ones(3, length + 1, dtype=mask.dtype),
+                      position_ids=torch.full((3, 1), length), use_cache=True)
+            tok = torch.tensor([[7 + t], [9], [11]])
+            ref = model(tok, cache=caches["eager"], **kw).logits
+            got = compiled(tok, cache=caches["compiled"], **kw).logits
+            torch.testing.assert_close(got, ref, rtol=0, atol=TOL)
+    layer = caches["compiled"].layers[0]
+    assert layer._affine_vsrc is layer.values  # the compiled steps kept the running state on the cache layer
+
+
 ALL = [(f, v) for f in FAMILIES for v in variant_names()]
 # The default suite compiles every variant once on Llama and the variants that change the seam (value mean, sink,
 # gate) on the other families; the slow suite runs the whole matrix, then inductor.
