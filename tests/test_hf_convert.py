@@ -159,6 +159,7 @@ def test_gradient_checkpointing_updates_alpha_ma_once():
     ids, mask, pos = left_padded(T=8)
     for m in (plain, checkpointed):
         m(ids, attention_mask=mask, position_ids=pos, labels=ids).loss.backward()
+        affine_attention.step_running_stats(m)
     assert calls == {id(plain): 1, id(checkpointed): 2}  # the checkpointed layer really ran again in backward
     for lp, lc in zip(plain.model.layers, checkpointed.model.layers):
         assert torch.equal(lp.self_attn.attn_variant.alpha_ma, lc.self_attn.attn_variant.alpha_ma)
@@ -215,6 +216,8 @@ def test_torch_compile_inductor_affine():
     ref.backward()
     assert torch.allclose(loss, ref, atol=1e-5)
     assert all(p.grad is not None for p in model.parameters())
+    for m in (model, reference):
+        affine_attention.step_running_stats(m)
     for lm, lr in zip(model.model.layers, reference.model.layers):
         assert torch.allclose(lm.self_attn.attn_variant.alpha_ma, lr.self_attn.attn_variant.alpha_ma)
 

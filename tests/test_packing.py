@@ -110,6 +110,8 @@ def test_trainer_with_flattening_collator_matches_padded_run(tmp_path):
                               Trainer, TrainingArguments)
     from tokenizers import Tokenizer, models
 
+    from affine_attention.hf.callbacks import RunningStatsCallback
+
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0}, unk_token="<pad>")),
                                   pad_token="<pad>")
     docs = _docs(3, low=1) * 2  # id 0 is the padded run's pad token, never a real one
@@ -120,12 +122,17 @@ def test_trainer_with_flattening_collator_matches_padded_run(tmp_path):
         args = TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=batch, max_steps=3,
                                  learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
                                  use_cpu=True, seed=0, data_seed=0, dataloader_drop_last=False)
-        trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator)
+        trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator,
+                          callbacks=[RunningStatsCallback()])
         trainer.train()
-        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        alpha_ma = torch.cat([b for n, b in model.named_buffers() if n.endswith("alpha_ma")])
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], alpha_ma
 
-    flat = run(DataCollatorWithFlattening(), len(LENGTHS), "flat")
-    padded = run(DataCollatorForLanguageModeling(tok, mlm=False), len(LENGTHS), "padded")
+    flat, ma_flat = run(DataCollatorWithFlattening(), len(LENGTHS), "flat")
+    padded, ma_padded = run(DataCollatorForLanguageModeling(tok, mlm=False), len(LENGTHS), "padded")
+    # alpha_ma counts real tokens only: the padded run's padding does not move it.
+    assert float(ma_flat.abs().max()) > 0
+    torch.testing.assert_close(ma_flat, ma_padded, rtol=1e-5, atol=1e-6)
     # Token-weighted mean over the same real tokens in both; padding is ignored by the padded run's labels.
     assert len(flat) == 3 and flat == pytest.approx(padded, rel=1e-5)
     assert flat[0] != flat[-1]  # it trained

@@ -66,6 +66,16 @@ def attach_variants(model: nn.Module, spec: Mapping[str, Any]) -> None:
         attn.add_module(VARIANT_ATTR, variant)
         setattr(attn, _HOOK_ATTR, attn.register_forward_pre_hook(capture_attention_input, with_kwargs=True))
     packing.attach(model)
+    _keep_accumulators_local(model)
+
+
+def _keep_accumulators_local(model: nn.Module) -> None:
+    """DDP broadcasts rank 0's buffers before every forward by default (transformers' Trainer keeps that
+    default): it would overwrite each rank's running-statistics accumulator between micro-batches. DDP skips the
+    names listed here on the module it wraps (the causal LM); alpha_ma itself is equal on every rank anyway."""
+    names = [n for n, _ in model.named_buffers() if n.endswith(".alpha_acc")]
+    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    model._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]
 
 
 def variant_spec(model: nn.Module) -> dict[str, Any] | None:

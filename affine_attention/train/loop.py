@@ -224,8 +224,11 @@ class Trainer:
         return grad_norm
 
     def after_optimizer_step(self) -> None:
-        """Once per optimizer step, after it: the single place for per-step state updates outside autograd (e.g.
-        stepping the variants' running statistics). Nothing to do yet."""
+        """Once per optimizer step, after it: the per-step state updates outside autograd. The variants' running
+        statistics (alpha_ma) take one EMA step from every micro-batch of this step on every rank."""
+        from ..variants.running_stats import step_running_stats
+
+        step_running_stats(self.hf_model)
 
     def log_step(self, step: int, sums: torch.Tensor, lr: float, grad_norm: float, dt: float) -> dict[str, Any]:
         """Average the losses over ranks, write the train record with the variant's statistics, update progress."""
