@@ -19,16 +19,16 @@ def _limit(text: str) -> int | float:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def _tokenizer(args, load_tokenizer):
-    """The tokenizer of --tokenizer, else of the model; a model folder saved without one gets a hint."""
+def _check_tokenizer_given(args) -> None:
+    """A model folder saved without a tokenizer needs --tokenizer: say so before the model loads."""
     from pathlib import Path
 
     folder = Path(args.model)
-    if args.tokenizer is None and folder.is_dir() and not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+    if args.tokenizer is None and (folder / "config.json").is_file() and \
+            not any((folder / f).is_file() for f in _TOKENIZER_FILES):
         raise ValueError(f"the model folder {args.model} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
                          "pass --tokenizer DIR, e.g. the folder of the model it was trained or converted from, or "
                          "--tokenizer default for the packaged 4096-token tokenizer the tiny presets train with")
-    return load_tokenizer(args.tokenizer or args.model)
 
 
 def add_commands(subparsers) -> None:
@@ -85,11 +85,12 @@ def _run(args) -> int:
     from .harness import check_tasks, evaluate, format_table, write_results
     from .perplexity import perplexity
 
-    # Everything that can fail fast does so before the slow model load: task names, then the tokenizer.
+    # What can fail fast does so before the slow model load: task names, a missing tokenizer.
     tasks = check_tasks(args.tasks, args.include_path) if args.tasks else []
-    tokenizer = _tokenizer(args, load_tokenizer)
+    _check_tokenizer_given(args)
     with phase(f"loading model {args.model}"):
         model = load_model(args.model, device=args.device)
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
 
     if tasks:
         results = evaluate(
