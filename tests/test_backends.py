@@ -19,17 +19,15 @@ from conftest import make_qkv
 # (B, Hq, Hkv, T, S): GQA, T < S (after a cache), T = 1 (decoding), T not a multiple of the block size (16 below).
 SHAPES = [(2, 4, 2, 37, 37), (2, 2, 1, 5, 13), (1, 2, 2, 1, 19), (2, 2, 1, 45, 29)]
 MASKS = ["none", "causal", "pad_left", "pad_right", "window", "window_ge_S", "window1", "docs", "docs_shared",
-         "docs_one_token", "docs_window_pad", "docs_shared_window_pad", "docs_full", "docs_shared_full", "dense"]
+         "docs_one_token", "docs_window_pad", "docs_full", "dense"]
 OPS = ["softmax", "sink", "off_by_one", "affine", "affine_full"]
-REAL_BLOCK, REAL_MIN_DOCUMENT = cpu_flash.BLOCK, cpu_flash.MIN_DOCUMENT
+REAL_BLOCK = cpu_flash.BLOCK
 
 
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch):
-    """Blocks of 16 queries, so these small shapes span several blocks of the banded CPU path, and a kernel call
-    per shared document however short, so the document-aligned plan runs too."""
+    """Blocks of 16 queries, so these small shapes span several blocks of the banded CPU path."""
     monkeypatch.setattr(cpu_flash, "BLOCK", 16)
-    monkeypatch.setattr(cpu_flash, "MIN_DOCUMENT", 1)
 
 
 def _documents(B, S, one_token=False):
@@ -64,15 +62,10 @@ def mask_kwargs(kind, B, T, S):
         return dict(is_causal=True, attn_mask=torch.rand(B, 1, T, S) > 0.3)
     if T > S:
         return None  # documents: queries are the last T of the S positions
-    if kind == "docs":  # a layout per row: the banded plan
+    if kind == "docs":  # a layout per row
         return dict(is_causal=True, document_ids=_documents(B, S))
-    if kind == "docs_shared":  # one layout for every row: a kernel call per document
+    if kind == "docs_shared":  # one layout for every row, ids of shape (1, S)
         return dict(is_causal=True, document_ids=_documents(1, S))
-    if kind == "docs_shared_window_pad":
-        pad[0, ..., :3] = False
-        return dict(is_causal=True, window=6, document_ids=_documents(1, S), attn_mask=pad)
-    if kind == "docs_shared_full":
-        return dict(document_ids=_documents(1, S))
     if kind == "docs_one_token":
         return dict(is_causal=True, document_ids=_documents(1, S, one_token=True))
     if kind == "docs_window_pad":
@@ -149,10 +142,9 @@ def test_cpu_flash_and_exact_serve_every_structured_cpu_mask(mask):
 
 @pytest.mark.parametrize("layout, window", [("per_row", 100), ("shared", 150), ("shared", 40), ("shared", None)])
 def test_banded_path_at_the_real_block_size(monkeypatch, layout, window):
-    """T = 300 spans three real blocks with a ragged last one; documents with padding, and a window that cuts
-    inside the documents or not (shared documents of 100 keys: one kernel call each where no window cuts)."""
+    """T = 300 spans three real blocks with a ragged last one; documents (per row, or shared documents of 100
+    keys) with padding, and a window that cuts inside the documents or not."""
     monkeypatch.setattr(cpu_flash, "BLOCK", REAL_BLOCK)
-    monkeypatch.setattr(cpu_flash, "MIN_DOCUMENT", REAL_MIN_DOCUMENT)
     B, Hq, Hkv, T = 2, 2, 1, 300
     q, k, v = make_qkv(B, Hq, Hkv, T, T, 8)
     kw = mask_kwargs("docs_window_pad", B, T, T)
