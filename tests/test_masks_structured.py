@@ -144,3 +144,26 @@ def test_key_mask_of_one_column_counts_every_key():
     total, count = visible_sum_and_count(v, mask, 1)
     assert torch.all(count == 6)
     torch.testing.assert_close(total / count, v.mean(2, keepdim=True))
+
+
+@pytest.mark.slow
+def test_structured_masks_compile_with_fullgraph():
+    """torch.compile(fullgraph=True) traces window, documents and padding on the CPU fast path (no host sync, no
+    graph break) and gives the eager result."""
+    from affine_attention.ops import sink_attention
+
+    T = 300
+    q, k, v = (torch.randn(1, h, T, 16, requires_grad=True) for h in (2, 1, 1))
+    alpha, alpha_ma, sinks = torch.rand(1, 2, T, requires_grad=True), torch.rand(2), torch.zeros(2, requires_grad=True)
+    pad = torch.ones(1, 1, 1, T, dtype=torch.bool)
+    pad[..., :5] = False
+    kw = dict(is_causal=True, window=64, document_ids=(torch.arange(T) * 3 // T)[None], attn_mask=pad,
+              enable_gqa=True)
+    for f in (lambda: affine_scaled_attention(q, k, v, alpha, alpha_ma, **kw),
+              lambda: sink_attention(q, k, v, sinks, **kw)):
+        out = torch.compile(f, fullgraph=True)()
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        want = f()
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        for a, b in zip(grads, torch.autograd.grad(want.sum(), (q, k, v))):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

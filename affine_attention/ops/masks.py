@@ -250,7 +250,12 @@ def _banded_sum_and_count(vf: Tensor, km: Tensor | None, mask: MaskSpec) -> tupl
     j = torch.arange(S, device=dev)
     start = j == 0
     if "window" in mask.kinds:
-        start = start | (j % mask.window == 0)
+        cut = j % mask.window == 0
+        start = start | cut
+        # First window cut after each position, by a reverse running minimum: a floor division feeding the
+        # gathers below trips inductor's value-range analysis under torch.compile.
+        after = torch.where(cut, j, S).flip(0).cummin(0).values.flip(0)
+        after = torch.cat([after, after.new_full((1,), S)])  # (S + 1,)
     start = start[None]
     if mask.documents is not None:
         d = mask.documents
@@ -267,8 +272,8 @@ def _banded_sum_and_count(vf: Tensor, km: Tensor | None, mask: MaskSpec) -> tupl
     u = (vf - centre) * w if km is not None else vf - centre
     zero = vf.new_zeros(B, Hkv, 1, D)
     cu = torch.cat([zero, u.cumsum(2)], dim=2)  # (B, Hkv, S + 1, D): exclusive prefix of centred values
-    # The second segment starts at the next window cut after lo (documents never cut inside [lo, hi)).
-    mid = torch.minimum(hi, (lo // mask.window + 1) * mask.window) if "window" in mask.kinds else hi
+    # The second segment starts at the first window cut after lo (documents never cut inside [lo, hi)).
+    mid = torch.minimum(hi, after[(lo + 1).clamp(max=S)]) if "window" in mask.kinds else hi
     if km is not None:
         ck = torch.cat([w.new_zeros(w.shape[0], 1, 1, 1), w.cumsum(2)], dim=2)  # (B|1, 1, S + 1, 1)
         n1, n2 = _take(ck, mid) - _take(ck, lo), _take(ck, hi) - _take(ck, mid)
