@@ -268,6 +268,8 @@ def main(argv=None):
     p.add_argument("--decode-lengths", type=int, nargs="+", default=[256, 1024, 4096, 8192])
     p.add_argument("--decode-repeats", type=int, default=15)
     p.add_argument("--no-memory", dest="memory", action="store_false")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice); 1 keeps a loaded "
+                   "machine's descheduled worker threads from stalling every parallel region")
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="sections to run")
     p.add_argument("--window", type=int, default=512, help="sliding window of the structured-mask rows")
     p.add_argument("--documents", type=int, default=8, help="equal packed documents of the structured-mask rows")
@@ -280,6 +282,8 @@ def main(argv=None):
         args.decode_lengths, args.decode_repeats = [256, 1024], 5
         args.window, args.documents, args.error_lengths = 128, 4, [4096]
     args.dtypes = [getattr(torch, d) for d in args.dtypes]
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     rows = bench_prefill(args, device) if "prefill" in args.only else []
     decode_rows = bench_decode(args, device) if "decode" in args.only else []
