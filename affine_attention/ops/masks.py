@@ -227,11 +227,22 @@ def visible_sum_and_count(v: Tensor, mask: MaskSpec, Hq: int) -> tuple[Tensor, T
     return csum, count
 
 
+def _per_row(fn, x: Tensor, idx: Tensor) -> Tensor:
+    """fn(x_b (H, L, E), idx_b (n,)) for every batch row of x: (B|1, H, L, E) and idx: (B|1, n), broadcast; 1-D
+    index ops along one dim are several times faster on CPU than a gather/scatter with an expanded index."""
+    if idx.shape[0] == 1:
+        return fn(x, idx[0], 2)
+    return torch.stack([fn(x[min(b, x.shape[0] - 1)], idx[b], 1) for b in range(idx.shape[0])])
+
+
 def _take(x: Tensor, idx: Tensor) -> Tensor:
     """x: (B|1, H, L, E), idx: (B|1, T) positions along L -> (B', H, T, E), B' the broadcast batch."""
-    b = max(x.shape[0], idx.shape[0])
-    x = x.expand(b, -1, -1, -1)
-    return torch.gather(x, 2, idx[:, None, :, None].expand(b, x.shape[1], idx.shape[1], x.shape[3]))
+    return _per_row(lambda xb, ib, dim: xb.index_select(dim, ib), x, idx)
+
+
+def _segment_sum(x: Tensor, seg: Tensor) -> Tensor:
+    """x: (B|1, H, S, E), seg: (B|1, S) segment of each position -> per segment sums (B', H, S, E) (at most S)."""
+    return _per_row(lambda xb, ib, dim: torch.zeros_like(xb).index_add(dim, ib, xb), x, seg)
 
 
 def _banded_sum_and_count(vf: Tensor, km: Tensor | None, mask: MaskSpec) -> tuple[Tensor, Tensor]:
@@ -260,15 +271,11 @@ def _banded_sum_and_count(vf: Tensor, km: Tensor | None, mask: MaskSpec) -> tupl
     if mask.documents is not None:
         d = mask.documents
         start = start | torch.cat([torch.ones_like(d[:, :1], dtype=torch.bool), d[:, 1:] != d[:, :-1]], dim=1)
-    seg = (start.long().cumsum(1) - 1)[:, None, :, None]  # (Bd, 1, S, 1): segment of every key position
+    seg = start.long().cumsum(1) - 1  # (Bd, S): segment of every key position
     w = km if km is not None else vf.new_ones(1, 1, S, 1)
-    vis_v = vf * w if km is not None else vf
-    bw = max(seg.shape[0], w.shape[0])
-    seg_w = seg.expand(bw, 1, S, 1)
-    seg_count = w.new_zeros(bw, 1, S, 1).scatter_add(2, seg_w, w.expand(bw, 1, S, 1))
-    seg_v = seg.expand(B, Hkv, S, D)
-    seg_sum = vf.new_zeros(B, Hkv, S, D).scatter_add(2, seg_v, vis_v)
-    centre = torch.gather(seg_sum / seg_count.clamp(min=1), 2, seg_v)  # (B, Hkv, S, D): mean of own segment
+    seg_count = _segment_sum(w, seg)
+    seg_mean = _segment_sum(vf * w if km is not None else vf, seg) / seg_count.clamp(min=1)
+    centre = _take(seg_mean, seg)  # (B, Hkv, S, D): mean of the visible values of each position's segment
     u = (vf - centre) * w if km is not None else vf - centre
     zero = vf.new_zeros(B, Hkv, 1, D)
     cu = torch.cat([zero, u.cumsum(2)], dim=2)  # (B, Hkv, S + 1, D): exclusive prefix of centred values
