@@ -90,7 +90,8 @@ def run_op(op, q, k, v, extra, kw, backend=None):
         return (affine_scaled_attention(q, k, v, *extra, bias_norm=bn, backend=backend, **kw),
                 affine_scaled_attention_reference(q, k, v, *extra, bias_norm=bn, **kw)[0])
     if op == "sink":
-        return sink_attention(q, k, v, *extra, backend=backend, **kw), sink_attention_reference(q, k, v, *extra, **kw)[0]
+        return (sink_attention(q, k, v, *extra, backend=backend, **kw),
+                sink_attention_reference(q, k, v, *extra, **kw)[0])
     if op == "off_by_one":
         zeros = torch.zeros(q.shape[1], dtype=q.dtype)
         return off_by_one_attention(q, k, v, backend=backend, **kw), sink_attention_reference(q, k, v, zeros, **kw)[0]
@@ -130,7 +131,8 @@ def test_backend_matches_float64_reference(backend, op, mask, shape):
         torch.testing.assert_close(gf, gr, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("mask", ["causal", "pad_left", "window", "docs", "docs_shared", "docs_window_pad", "docs_full"])
+@pytest.mark.parametrize("mask", ["causal", "pad_left", "window", "docs", "docs_shared", "docs_window_pad",
+                                  "docs_full"])
 def test_cpu_flash_and_exact_serve_every_structured_cpu_mask(mask):
     """So the matrix above really runs the fast CPU path on windows and documents instead of skipping them."""
     q, k, _ = make_qkv(2, 4, 2, 37, 37, 8)
