@@ -215,7 +215,7 @@ def _user_paths(include_path) -> list:
 
 def _quiet_git_hash() -> str | None:
     """lm-eval records the git commit of the working directory by running `git describe`, whose "fatal: not a
-    git repository" reaches the user's terminal outside a repository; the same lookup, with git's stderr kept."""
+    git repository" reaches the user's terminal outside a repository; the same lookup, with git's stderr captured."""
     import subprocess
 
     try:
