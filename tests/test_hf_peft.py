@@ -125,3 +125,14 @@ def test_peft_config_arguments():
         peft_config(model, target_modules="all-linear")
     with pytest.raises(ValueError, match="either a config or keyword"):
         peft_config(model, LoraConfig(r=2), r=4)
+
+
+def test_a_plain_lora_config_is_warned_about_when_training_starts():
+    from affine_attention.hf.callbacks import RunningStatsCallback
+    from affine_attention.hf.peft import AdapterWarning, check_adapter
+
+    plain = get_peft_model(tiny("llama", "affine"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    with pytest.warns(AdapterWarning, match="peft_config"):
+        RunningStatsCallback().on_train_begin(None, None, None, model=plain)
+    good = tiny("llama", "affine")
+    assert check_adapter(get_peft_model(good, peft_config(good, r=2))) and check_adapter(good)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 
 from torch import nn
 
@@ -62,3 +63,22 @@ def peft_config(model: nn.Module, config=None, **lora_options):
         # PEFT matches a str against every module's full name: any module ending in one of `names`, not below a variant.
         config.target_modules = (rf"^(?!.*\.{VARIANT_ATTR}\.).*\.({'|'.join(map(re.escape, names))})$")
     return config
+
+
+class AdapterWarning(UserWarning):
+    """A PEFT model whose attention variants are not part of its adapter (built without `peft_config`)."""
+
+
+def check_adapter(model: nn.Module) -> bool:
+    """Warn (AdapterWarning) when `model` is a PEFT model whose attention variants are outside the adapter: they stay
+    frozen, alpha_ma would be stepped in the base model and the saved adapter would not reproduce the trained model.
+    Returns True when the model is fine (or not a PEFT model). `RunningStatsCallback` calls it when training starts."""
+    if not hasattr(model, "peft_config"):
+        return True
+    outside = [n for n, m in model.named_modules()
+               if n.endswith(f".{VARIANT_ATTR}") and type(m).__name__ != "ModulesToSaveWrapper"]
+    if outside:
+        warnings.warn(f"this PEFT model leaves its attention variants out of the adapter ({len(outside)} layers, e.g. "
+                      f"{outside[0]}): build its config with affine_attention.peft_config(model, LoraConfig(...)) so "
+                      "that the variants train and save with the adapter", AdapterWarning, stacklevel=2)
+    return not outside
