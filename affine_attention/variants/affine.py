@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..ops import affine_scaled_attention, affine_scaled_attention_reference
-from .base import AttentionVariant
+from ..ops import affine_scaled_attention_reference
+from .base import AttentionVariant, Prologue
 from .gated import GateMixin, GatedOptions
 
 
@@ -91,12 +91,10 @@ class AffineAttention(AttentionVariant):
             self._alpha_ma_used = self.alpha_ma.clone()
         return self._alpha_ma_used
 
-    def attend(self, q, k, v, x, *, mask, scale, token_mask, v_mean, backend):
+    def prologue(self, x, token_mask):
         alpha = self.compute_alpha(x)
-        alpha_ma = self._alpha_ma_for_forward(alpha, token_mask)
-        return affine_scaled_attention(q, k, v, alpha, alpha_ma, **mask, scale=scale,
-                                       bias_norm=self.options.bias_norm, enable_gqa=self._gqa, v_mean=v_mean,
-                                       backend=backend)
+        return Prologue(alpha=alpha, alpha_ma=self._alpha_ma_for_forward(alpha, token_mask),
+                        gate=self.output_gate(x), bias_norm=self.options.bias_norm)
 
     def attend_reference(self, q, k, v, x, *, mask, scale):
         alpha = self.compute_alpha(x).to(q.dtype)

@@ -1,0 +1,260 @@
+"""The variant epilogue: out = g * (a * O + (alpha_ma - a) * m) in one pass with a hand-written backward.
+
+O is a softmax kernel's output, m the mean of visible V (affine's bias term), a = alpha, g an output gate or a
+per-head scale; every part is optional. One autograd.Function serves affine, gated, affine_gated and
+scaled_softmax (the sink lives in the kernel, see backends/base.py). It saves only tensors other nodes hold anyway
+(O, V, alpha, the gate): the mean of V is recomputed in backward instead of being saved. On CUDA the combine runs
+as one Triton kernel (epilogue_triton.py); on CPU as a few in-place eager passes. The choice is explicit:
+`impl=` or `use_epilogue(...)` forces one, and a forced implementation that cannot run raises.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .._compat import float_acc
+from .masks import MaskSpec, visible_sum_and_count
+
+IMPLS = ("eager", "triton")
+_forced = threading.local()
+
+
+@contextlib.contextmanager
+def use_epilogue(impl: str | None):
+    """Force every epilogue in this block (this thread) onto `impl` ("eager" or "triton"; None: by device)."""
+    if impl is not None:
+        _check_impl_name(impl)
+    previous = getattr(_forced, "impl", None)
+    _forced.impl = impl
+    try:
+        yield
+    finally:
+        _forced.impl = previous
+
+
+def _check_impl_name(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"epilogue impl must be one of {IMPLS} (or None: triton on CUDA, eager elsewhere), "
+                         f"got {impl!r}")
+
+
+def select_impl(device: torch.device, impl: str | None = None) -> str:
+    """The implementation that runs on `device`: the forced one, else triton on CUDA and eager elsewhere.
+
+    A forced "triton" off CUDA needs the interpreter (TRITON_INTERPRET=1); a missing triton package raises.
+    """
+    name = impl if impl is not None else getattr(_forced, "impl", None)
+    if name is None:
+        name = "triton" if device.type == "cuda" else "eager"
+    _check_impl_name(name)
+    if name == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"the triton epilogue runs on CUDA tensors (got {device.type}); on CPU it runs only "
+                             "under the interpreter (set TRITON_INTERPRET=1 before importing triton) or pass "
+                             "impl='eager'")
+        try:
+            from . import epilogue_triton  # noqa: F401  (lazy: triton is imported only when used)
+        except ImportError as e:
+            raise ValueError(f"the triton epilogue needs the `triton` package ({e}); install it or force the "
+                             "eager epilogue with impl='eager' / use_epilogue('eager')") from e
+    return name
+
+
+@dataclass(frozen=True)
+class ValueMean:
+    """The mean of the values each query may see, computed from v on demand (forward, and again in backward).
+
+    Call with v: (B, Hkv, S, D) -> (B, Hkv|Hq, T|1, D) in float32 (float64 for float64 v). bias_norm "visible"
+    divides by the number of visible keys N_i, "full" by S (an ablation).
+    """
+
+    mask: MaskSpec
+    Hq: int
+    bias_norm: str = "visible"
+
+    def __call__(self, v: Tensor, *, inplace: bool = False) -> Tensor:
+        total, count = visible_sum_and_count(v, self.mask, self.Hq)
+        denom = count.clamp(min=1) if self.bias_norm == "visible" else count.new_full((), float(max(self.mask.S, 1)))
+        # In place only without autograd (forward), and only on a fresh temporary (never on v's own storage).
+        if inplace and total.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+            return total.div_(denom)
+        return total / denom
+
+
+def _gate4(gate: Tensor | float | None, out: Tensor) -> Tensor | None:
+    """The gate as a rank-4 tensor broadcastable to out (B, Hq, T, D), each dimension 1 or full."""
+    if gate is None:
+        return None
+    if isinstance(gate, (int, float)) and not isinstance(gate, bool):
+        return torch.full((1, 1, 1, 1), float(gate), dtype=float_acc(out.dtype), device=out.device)
+    if not isinstance(gate, Tensor) or not gate.is_floating_point():
+        raise ValueError(f"gate must be a float or a floating-point tensor broadcastable to (B, Hq, T, D), got "
+                         f"{type(gate).__name__ if not isinstance(gate, Tensor) else gate.dtype}")
+    if gate.dim() != 4 or any(g not in (1, o) for g, o in zip(gate.shape, out.shape)):
+        raise ValueError(f"gate must have rank 4 with each dimension 1 or that of (B, Hq, T, D) = "
+                         f"{tuple(out.shape)}, e.g. (B, Hq, T, D) elementwise, (B, Hq, T, 1) per head, "
+                         f"(1, Hq, 1, 1) a per-head scale; got {tuple(gate.shape)}")
+    if gate.device != out.device:
+        raise ValueError(f"gate is on {gate.device} but the attention output is on {out.device}")
+    return gate
+
+
+def _check_affine(out: Tensor, alpha: Tensor, alpha_ma: Tensor, m_shape: tuple[int, ...]) -> None:
+    B, Hq, T, D = out.shape
+    if tuple(alpha.shape) != (B, Hq, T):
+        raise ValueError(f"alpha must have shape (B, Hq, T) = {(B, Hq, T)}, got {tuple(alpha.shape)}")
+    if tuple(alpha_ma.shape) != (Hq,):
+        raise ValueError(f"alpha_ma must have shape (Hq,) = ({Hq},), got {tuple(alpha_ma.shape)}")
+    if len(m_shape) != 4 or m_shape[0] != B or m_shape[3] != D or m_shape[2] not in (1, T) or m_shape[1] < 1 \
+            or Hq % m_shape[1]:
+        raise ValueError(f"the mean of V must have shape (B, Hkv, T|1, D) with Hq = {Hq} a multiple of Hkv, "
+                         f"B = {B}, T = {T}, D = {D}; got {tuple(m_shape)}")
+
+
+def epilogue(out: Tensor, *, alpha: Tensor | None = None, alpha_ma: Tensor | None = None,
+             v_mean: Tensor | None = None, v: Tensor | None = None, mean: Callable[[Tensor], Tensor] | None = None,
+             gate: Tensor | float | None = None, impl: str | None = None) -> Tensor:
+    """g * (alpha * out + (alpha_ma - alpha) * m), or g * out without alpha, in one pass; returns out's dtype.
+
+    out: (B, Hq, T, D) kernel output. alpha: (B, Hq, T); alpha_ma: (Hq,). The mean m comes either precomputed,
+    v_mean: (B, Hkv|Hq, T|1, D) (broadcast over each group of Hq // Hkv query heads without a copy), or as
+    v: (B, Hkv, S, D) with `mean` (e.g. ValueMean) mapping v to it, which lets backward recompute m from v instead
+    of saving it. gate: broadcastable to (B, Hq, T, D) (elementwise (B, Hq, T, D), headwise (B, Hq, T, 1), a
+    per-head scale (1, Hq, 1, 1)) or a constant float. Sums accumulate in float32 (float64 for float64).
+    impl: "eager" or "triton" (default: triton on CUDA, eager elsewhere; see select_impl).
+
+    This is the entry point to time against a flash kernel (benchmarks/gpu_check.py): e.g.
+    epilogue(o, alpha=a, alpha_ma=am, v_mean=m, gate=g, impl="triton").
+    """
+    if not isinstance(out, Tensor) or out.dim() != 4:
+        raise ValueError(f"out must be the (B, Hq, T, D) attention output, got "
+                         f"{tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__}")
+    g = _gate4(gate, out)
+    if alpha is None:
+        if alpha_ma is not None or v_mean is not None or v is not None:
+            raise ValueError("alpha_ma, v_mean and v belong to the affine part: pass alpha with them, or none")
+        if g is None:
+            return out
+    else:
+        if alpha_ma is None:
+            raise ValueError("alpha needs alpha_ma: (Hq,), the running mean of alpha")
+        if (v_mean is None) == (v is None) or (v is not None and mean is None):
+            raise ValueError("the affine epilogue needs the mean of visible V: pass exactly one of v_mean "
+                             "(B, Hkv, T|1, D) or v (B, Hkv, S, D) together with mean=ValueMean(...)")
+        if v_mean is not None:
+            _check_affine(out, alpha, alpha_ma, tuple(v_mean.shape))
+    name = select_impl(out.device, impl)
+    return _Epilogue.apply(name, out, alpha, alpha_ma, g, v_mean, v, mean)
+
+
+def _kernels(name: str):
+    if name == "triton":
+        from . import epilogue_triton
+        return epilogue_triton
+    return _eager
+
+
+class _Epilogue(torch.autograd.Function):
+    """Forward through one implementation; backward recomputes m from v (when given so) and calls the same one."""
+
+    @staticmethod
+    def forward(ctx, name, out, alpha, alpha_ma, gate, v_mean, v, mean):
+        m = v_mean if v is None else mean(v, inplace=True) if isinstance(mean, ValueMean) else mean(v)
+        if alpha is not None and v is not None:
+            _check_affine(out, alpha, alpha_ma, tuple(m.shape))
+        res = _kernels(name).forward(out, alpha, alpha_ma, m, gate)
+        # Every saved tensor is an input other nodes keep alive already (kernel output, V, alpha, the gate).
+        ctx.save_for_backward(out, alpha, alpha_ma, gate, v_mean, v)
+        ctx.name, ctx.mean = name, mean
+        return res
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, alpha, alpha_ma, gate, v_mean, v = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        need_dv = v is not None and need[6]
+        m, m_graph, vv = v_mean, None, None
+        if v is not None and (need_dv or need[2] or need[3] or need[4]):
+            with torch.enable_grad():
+                vv = v.detach().requires_grad_(need_dv)
+                m_graph = ctx.mean(vv)
+            m = m_graph.detach()
+        d_out, d_alpha, d_alpha_ma, d_gate, d_m = _kernels(ctx.name).backward(
+            grad, out, alpha, alpha_ma, m, gate,
+            need_alpha=need[2], need_alpha_ma=need[3], need_gate=need[4], need_m=need[5] or need_dv)
+        d_v = None
+        if need_dv:
+            (d_v,) = torch.autograd.grad(m_graph, vv, d_m)
+        return (None, d_out if need[1] else None, d_alpha, d_alpha_ma, d_gate, d_m if need[5] else None, d_v,
+                None)
+
+
+class _eager:
+    """The combine as a few eager passes, in place where that saves an allocation. Layouts as `epilogue`."""
+
+    @staticmethod
+    def _affine_views(out: Tensor, alpha: Tensor, alpha_ma: Tensor, m: Tensor, acc: torch.dtype):
+        """a, b = alpha_ma - a as (B, Hm, G, T, 1) and m as (B, Hm, 1, T|1, D): the group broadcast of GQA."""
+        B, Hq, T, _ = out.shape
+        Hm = m.shape[1]
+        a = alpha.to(acc).reshape(B, Hm, Hq // Hm, T, 1)
+        b = alpha_ma.to(acc).reshape(1, Hm, Hq // Hm, 1, 1) - a
+        return a, b, m.to(acc)[:, :, None]
+
+    @staticmethod
+    def _combine(out, alpha, alpha_ma, m, acc):
+        """y = a * out + b * m in acc, (B, Hq, T, D), freshly allocated."""
+        a, b, m5 = _eager._affine_views(out, alpha, alpha_ma, m, acc)
+        B, Hq, T, D = out.shape
+        y = torch.mul(out.view(a.shape[:3] + (T, D)) if out.is_contiguous() else
+                      out.reshape(a.shape[:3] + (T, D)), a)
+        if y.dtype != acc:
+            y = y.to(acc)
+        return y.addcmul_(b, m5).view(B, Hq, T, D)
+
+    @staticmethod
+    def forward(out, alpha, alpha_ma, m, gate):
+        acc = float_acc(out.dtype)
+        if alpha is not None:
+            y = _eager._combine(out, alpha, alpha_ma, m, acc)
+            if gate is not None:
+                y.mul_(gate)
+        else:
+            y = torch.mul(out, gate)
+        return y.to(out.dtype)
+
+    @staticmethod
+    def backward(grad, out, alpha, alpha_ma, m, gate, *, need_alpha, need_alpha_ma, need_gate, need_m):
+        acc = float_acc(out.dtype)
+        B, Hq, T, D = out.shape
+        d_gate = d_alpha = d_alpha_ma = d_m = None
+        if gate is not None and need_gate:
+            y = _eager._combine(out, alpha, alpha_ma, m, acc) if alpha is not None else out.to(acc)
+            y = y.mul_(grad) if y is not out else y * grad
+            d_gate = y.sum_to_size(gate.shape).to(gate.dtype)
+            del y
+        dy = grad.to(acc) if gate is None else torch.mul(grad.to(acc), gate)
+        if alpha is None:
+            return dy.to(out.dtype), None, None, d_gate, None
+        a, b, m5 = _eager._affine_views(out, alpha, alpha_ma, m, acc)
+        Hm, G = a.shape[1], a.shape[2]
+        dy5 = dy.view(B, Hm, G, T, D)
+        d_out = torch.mul(dy5, a).view(B, Hq, T, D).to(out.dtype)
+        if need_alpha:
+            # d alpha = dy . (out - m), one row sum per query.
+            diff = torch.sub(out.reshape(B, Hm, G, T, D), m5)
+            d_alpha = diff.mul_(dy5).sum(-1).view(B, Hq, T).to(alpha.dtype)
+            del diff
+        if need_alpha_ma:
+            d_alpha_ma = (dy5 * m5).sum((0, 3, 4)).reshape(Hq).to(alpha_ma.dtype)
+        if need_m:
+            d_m = torch.mul(dy5, b)
+            d_m = d_m.squeeze(2) if G == 1 else d_m.sum(2)
+            d_m = d_m.sum_to_size(m.shape).to(m.dtype)
+        return d_out, d_alpha, d_alpha_ma, d_gate, d_m
