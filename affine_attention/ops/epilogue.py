@@ -239,20 +239,22 @@ class _eager:
             y = y.mul_(grad) if y is not out else y * grad
             d_gate = y.sum_to_size(gate.shape).to(gate.dtype)
             del y
-        dy = grad.to(acc) if gate is None else torch.mul(grad.to(acc), gate)
+        # Without a gate dy is grad itself: the mixed-dtype ops below upcast it on the fly (no float32 copy).
+        dy = grad if gate is None else torch.mul(grad.to(acc), gate)
         if alpha is None:
             return dy.to(out.dtype), None, None, d_gate, None
         a, b, m5 = _eager._affine_views(out, alpha, alpha_ma, m, acc)
         Hm, G = a.shape[1], a.shape[2]
-        dy5 = dy.view(B, Hm, G, T, D)
-        d_out = torch.mul(dy5, a).view(B, Hq, T, D).to(out.dtype)
+        dy5 = dy.reshape(B, Hm, G, T, D)
+        # Computed in acc and written in out's dtype in the same pass.
+        d_out = torch.mul(dy5, a, out=torch.empty(dy5.shape, dtype=out.dtype, device=out.device)).view(B, Hq, T, D)
         if need_alpha:
             # d alpha = dy . (out - m), one row sum per query.
             diff = torch.sub(out.reshape(B, Hm, G, T, D), m5)
             d_alpha = diff.mul_(dy5).sum(-1).view(B, Hq, T).to(alpha.dtype)
             del diff
         if need_alpha_ma:
-            d_alpha_ma = (dy5 * m5).sum((0, 3, 4)).reshape(Hq).to(alpha_ma.dtype)
+            d_alpha_ma = torch.mul(dy5, m5).sum((0, 3, 4)).reshape(Hq).to(alpha_ma.dtype)
         if need_m:
             d_m = torch.mul(dy5, b)
             d_m = d_m.squeeze(2) if G == 1 else d_m.sum(2)
