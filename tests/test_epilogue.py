@@ -173,19 +173,45 @@ def test_variants_run_one_epilogue_and_match_their_reference(name, options, T, S
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_low_precision_keeps_dtype_and_stays_close_to_float64(dtype):
-    B, Hq, Hkv, T, D = 1, 4, 2, 33, 16
+@pytest.mark.parametrize("Hkv", [4, 2])
+def test_low_precision_keeps_dtypes_and_stays_close_to_float64(dtype, Hkv):
+    B, Hq, T, D = 2, 4, 33, 16
     q, k, v = make_qkv(B, Hq, Hkv, T, T, D, dtype=torch.float64, requires_grad=False)
     alpha = torch.rand(B, Hq, T, dtype=torch.float64)
     am = torch.rand(Hq, dtype=torch.float64)
     g = torch.rand(B, Hq, T, D, dtype=torch.float64)
-    ref = affine_scaled_attention_reference(q, k, v, alpha, am, is_causal=True, enable_gqa=True)[0] * g
-    low = [t.to(dtype) for t in (q, k, v)]
-    out = attention_with_epilogue(*low, alpha=alpha.float(), alpha_ma=am.float(), gate=g.to(dtype),
-                                  is_causal=True, enable_gqa=True)
+    keys = torch.ones(B, 1, 1, T, dtype=torch.bool)
+    keys[1, ..., :4] = False
+    kw = dict(attn_mask=keys, is_causal=True, enable_gqa=Hkv != Hq)
+    w = torch.randn(B, Hq, T, D, dtype=torch.float64)
+    ins64 = [t.clone().requires_grad_() for t in (q, k, v, alpha, g)]
+    ref = affine_scaled_attention_reference(*ins64[:3], ins64[3], am, **kw)[0] * ins64[4]
+    grads64 = torch.autograd.grad(ref, ins64, w)
+    low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    a32, g_low = alpha.float().requires_grad_(), g.to(dtype).requires_grad_()
+    out = attention_with_epilogue(*low, alpha=a32, alpha_ma=am.float(), gate=g_low, **kw)
     assert out.dtype == dtype
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    grads = torch.autograd.grad(out, low + [a32, g_low], w.to(dtype))
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    for x, want, ref_grad in zip(grads, low + [a32, g_low], grads64):
+        assert x.dtype == want.dtype
+        torch.testing.assert_close(x.double(), ref_grad, rtol=tol, atol=tol * max(1.0, ref_grad.abs().max().item()))
+
+
+def test_non_contiguous_incoming_gradient():
+    """The gradient arriving from `out.transpose(1, 2).contiguous()` (the transformers seam) is a strided view."""
+    B, Hq, Hkv, T, D = 2, 4, 2, 7, 6
+    q, k, v = make_qkv(B, Hq, Hkv, T, T, D)
+    alpha = torch.rand(B, Hq, T, dtype=torch.float64, requires_grad=True)
+    am = torch.rand(Hq, dtype=torch.float64)
+    out = affine_scaled_attention(q, k, v, alpha, am, is_causal=True, enable_gqa=True)
+    ref = affine_scaled_attention_reference(q, k, v, alpha, am, is_causal=True, enable_gqa=True)[0]
+    inputs = [q, k, v, alpha]
+    ga = torch.autograd.grad(out.transpose(1, 2).contiguous().square().sum(), inputs)
+    gr = torch.autograd.grad(ref.transpose(1, 2).contiguous().square().sum(), inputs)
+    for x, y in zip(ga, gr):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
 
 
 def test_dispatch_is_explicit(monkeypatch):

@@ -10,8 +10,9 @@ from torch import Tensor
 
 from ._validate import check_bias_norm, check_per_head, check_per_query, check_qkv, check_scale
 from .backends import attention as kernel_attention
-from .epilogue import ValueMean, epilogue
+from .epilogue import epilogue
 from .masks import parse_mask
+from .value_mean import ValueMean
 
 
 def affine_scaled_attention(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, alpha_ma: Tensor, *,

@@ -12,14 +12,11 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from .._compat import float_acc
-from .masks import MaskSpec, visible_sum_and_count
+from .value_mean import ValueMean
 
 IMPLS = ("eager", "triton")
 _forced = threading.local()
@@ -66,27 +63,6 @@ def select_impl(device: torch.device, impl: str | None = None) -> str:
     return name
 
 
-@dataclass(frozen=True)
-class ValueMean:
-    """The mean of the values each query may see, computed from v on demand (forward, and again in backward).
-
-    Call with v: (B, Hkv, S, D) -> (B, Hkv|Hq, T|1, D) in float32 (float64 for float64 v). bias_norm "visible"
-    divides by the number of visible keys N_i, "full" by S (an ablation).
-    """
-
-    mask: MaskSpec
-    Hq: int
-    bias_norm: str = "visible"
-
-    def __call__(self, v: Tensor, *, inplace: bool = False) -> Tensor:
-        total, count = visible_sum_and_count(v, self.mask, self.Hq)
-        denom = count.clamp(min=1) if self.bias_norm == "visible" else count.new_full((), float(max(self.mask.S, 1)))
-        # In place only without autograd (forward), and only on a fresh temporary (never on v's own storage).
-        if inplace and total.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
-            return total.div_(denom)
-        return total / denom
-
-
 def _gate4(gate: Tensor | float | None, out: Tensor) -> Tensor | None:
     """The gate as a rank-4 tensor broadcastable to out (B, Hq, T, D), each dimension 1 or full."""
     if gate is None:
@@ -118,13 +94,13 @@ def _check_affine(out: Tensor, alpha: Tensor, alpha_ma: Tensor, m_shape: tuple[i
 
 
 def epilogue(out: Tensor, *, alpha: Tensor | None = None, alpha_ma: Tensor | None = None,
-             v_mean: Tensor | None = None, v: Tensor | None = None, mean: Callable[[Tensor], Tensor] | None = None,
+             v_mean: Tensor | None = None, v: Tensor | None = None, mean: ValueMean | None = None,
              gate: Tensor | float | None = None, impl: str | None = None) -> Tensor:
     """g * (alpha * out + (alpha_ma - alpha) * m), or g * out without alpha, in one pass; returns out's dtype.
 
     out: (B, Hq, T, D) kernel output. alpha: (B, Hq, T); alpha_ma: (Hq,). The mean m comes either precomputed,
     v_mean: (B, Hkv|Hq, T|1, D) (broadcast over each group of Hq // Hkv query heads without a copy), or as
-    v: (B, Hkv, S, D) with `mean` (e.g. ValueMean) mapping v to it, which lets backward recompute m from v instead
+    v: (B, Hkv, S, D) with `mean` (a ValueMean) mapping v to it, which lets backward recompute m from v instead
     of saving it. gate: broadcastable to (B, Hq, T, D) (elementwise (B, Hq, T, D), headwise (B, Hq, T, 1), a
     per-head scale (1, Hq, 1, 1)) or a constant float. Sums accumulate in float32 (float64 for float64).
     impl: "eager" or "triton" (default: triton on CUDA, eager elsewhere; see select_impl).
@@ -144,7 +120,7 @@ def epilogue(out: Tensor, *, alpha: Tensor | None = None, alpha_ma: Tensor | Non
     else:
         if alpha_ma is None:
             raise ValueError("alpha needs alpha_ma: (Hq,), the running mean of alpha")
-        if (v_mean is None) == (v is None) or (v is not None and mean is None):
+        if (v_mean is None) == (v is None) or (v is not None and not isinstance(mean, ValueMean)):
             raise ValueError("the affine epilogue needs the mean of visible V: pass exactly one of v_mean "
                              "(B, Hkv, T|1, D) or v (B, Hkv, S, D) together with mean=ValueMean(...)")
         if v_mean is not None:
@@ -165,7 +141,7 @@ class _Epilogue(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, name, out, alpha, alpha_ma, gate, v_mean, v, mean):
-        m = v_mean if v is None else mean(v, inplace=True) if isinstance(mean, ValueMean) else mean(v)
+        m = v_mean if v is None else mean.value(v)[0]
         if alpha is not None and v is not None:
             _check_affine(out, alpha, alpha_ma, tuple(m.shape))
         res = _kernels(name).forward(out, alpha, alpha_ma, m, gate)
@@ -179,18 +155,21 @@ class _Epilogue(torch.autograd.Function):
         out, alpha, alpha_ma, gate, v_mean, v = ctx.saved_tensors
         need = ctx.needs_input_grad
         need_dv = v is not None and need[6]
-        m, m_graph, vv = v_mean, None, None
-        if v is not None and (need_dv or need[2] or need[3] or need[4]):
+        mean = ctx.mean
+        m, denom, m_graph, vv = v_mean, None, None, None
+        if v is not None and mean.has_transpose:
+            m, denom = mean.value(v)  # a fresh buffer the backward may overwrite once done reading it
+        elif v is not None:
             with torch.enable_grad():
                 vv = v.detach().requires_grad_(need_dv)
-                m_graph = ctx.mean(vv)
+                m_graph = mean(vv)
             m = m_graph.detach()
         d_out, d_alpha, d_alpha_ma, d_gate, d_m = _kernels(ctx.name).backward(
-            grad, out, alpha, alpha_ma, m, gate,
-            need_alpha=need[2], need_alpha_ma=need[3], need_gate=need[4], need_m=need[5] or need_dv)
+            grad, out, alpha, alpha_ma, m, gate, need_alpha=need[2], need_alpha_ma=need[3], need_gate=need[4],
+            need_m=need[5] or need_dv, m_scratch=denom is not None)
         d_v = None
         if need_dv:
-            (d_v,) = torch.autograd.grad(m_graph, vv, d_m)
+            d_v = mean.transpose(d_m, denom, v) if m_graph is None else torch.autograd.grad(m_graph, vv, d_m)[0]
         return (None, d_out if need[1] else None, d_alpha, d_alpha_ma, d_gate, d_m if need[5] else None, d_v,
                 None)
 
@@ -230,7 +209,9 @@ class _eager:
         return y.to(out.dtype)
 
     @staticmethod
-    def backward(grad, out, alpha, alpha_ma, m, gate, *, need_alpha, need_alpha_ma, need_gate, need_m):
+    def backward(grad, out, alpha, alpha_ma, m, gate, *, need_alpha, need_alpha_ma, need_gate, need_m,
+                 m_scratch=False):
+        """m_scratch: m is a recomputed buffer this function may overwrite once it no longer reads it."""
         acc = float_acc(out.dtype)
         B, Hq, T, D = out.shape
         d_gate = d_alpha = d_alpha_ma = d_m = None
@@ -245,18 +226,33 @@ class _eager:
             return dy.to(out.dtype), None, None, d_gate, None
         a, b, m5 = _eager._affine_views(out, alpha, alpha_ma, m, acc)
         Hm, G = a.shape[1], a.shape[2]
-        dy5 = dy.reshape(B, Hm, G, T, D)
+        dy5, out5 = dy.reshape(B, Hm, G, T, D), out.reshape(B, Hm, G, T, D)
         # Computed in acc and written in out's dtype in the same pass.
         d_out = torch.mul(dy5, a, out=torch.empty(dy5.shape, dtype=out.dtype, device=out.device)).view(B, Hq, T, D)
-        if need_alpha:
-            # d alpha = dy . (out - m), one row sum per query.
-            diff = torch.sub(out.reshape(B, Hm, G, T, D), m5)
-            d_alpha = diff.mul_(dy5).sum(-1).view(B, Hq, T).to(alpha.dtype)
-            del diff
         if need_alpha_ma:
             d_alpha_ma = torch.mul(dy5, m5).sum((0, 3, 4)).reshape(Hq).to(alpha_ma.dtype)
+        # Fresh (B, Hm, T, D) buffers: one scratch for the query heads of a group, then reused for d m. A CPU
+        # allocation of that size costs more than the pass that fills it, so there are as few as possible.
+        scratch = None
+        m_free = m_scratch and m.shape[2] == T and m.dtype == acc
+        if need_alpha:
+            d_alpha = torch.empty((B, Hm, G, T), dtype=acc, device=out.device)
+            for g in range(G):
+                if g == G - 1 and m_free:
+                    # d alpha = dy . (out - m) = -(dy . (m - out)), computed in m's own buffer.
+                    r = m.sub_(out5[:, :, g]).mul_(dy5[:, :, g])
+                    torch.sum(r, -1, out=d_alpha[:, :, g]).neg_()
+                    scratch = m
+                else:
+                    scratch = torch.sub(out5[:, :, g], m5[:, :, 0], out=scratch).mul_(dy5[:, :, g])
+                    torch.sum(scratch, -1, out=d_alpha[:, :, g])
+            d_alpha = d_alpha.view(B, Hq, T).to(alpha.dtype)
         if need_m:
-            d_m = torch.mul(dy5, b)
-            d_m = d_m.squeeze(2) if G == 1 else d_m.sum(2)
+            # d m = sum over the group of (alpha_ma - a) * dy, then over T for a (B, Hm, 1, D) mean.
+            if scratch is None and m_free:
+                scratch = m
+            d_m = torch.mul(dy5[:, :, 0], b[:, :, 0], out=scratch)
+            for g in range(1, G):
+                d_m.addcmul_(dy5[:, :, g], b[:, :, g])
             d_m = d_m.sum_to_size(m.shape).to(m.dtype)
         return d_out, d_alpha, d_alpha_ma, d_gate, d_m

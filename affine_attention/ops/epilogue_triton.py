@@ -127,8 +127,10 @@ def forward(out: Tensor, alpha: Tensor | None, alpha_ma: Tensor | None, m: Tenso
 
 
 def backward(grad: Tensor, out: Tensor, alpha: Tensor | None, alpha_ma: Tensor | None, m: Tensor | None,
-             gate: Tensor | None, *, need_alpha: bool, need_alpha_ma: bool, need_gate: bool, need_m: bool):
-    """(d out, d alpha, d alpha_ma, d gate, d m), each None where not needed; d m is reduced to m's shape."""
+             gate: Tensor | None, *, need_alpha: bool, need_alpha_ma: bool, need_gate: bool, need_m: bool,
+             m_scratch: bool = False):
+    """(d out, d alpha, d alpha_ma, d gate, d m), each None where not needed; d m is reduced to m's shape.
+    m_scratch (m may be overwritten) is not needed here: the outputs are fresh buffers either way."""
     B, Hq, T, D = out.shape
     acc = float_acc(out.dtype)
     affine = alpha is not None
