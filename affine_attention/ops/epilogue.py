@@ -216,9 +216,13 @@ class _eager:
         B, Hq, T, D = out.shape
         d_gate = d_alpha = d_alpha_ma = d_m = None
         if gate is not None and need_gate:
-            y = _eager._combine(out, alpha, alpha_ma, m, acc) if alpha is not None else out.to(acc)
-            y = y.mul_(grad) if y is not out else y * grad
-            d_gate = y.sum_to_size(gate.shape).to(gate.dtype)
+            y = _eager._combine(out, alpha, alpha_ma, m, acc) if alpha is not None else out
+            if gate.shape == out.shape:
+                # Written in the gate's own layout (a transposed projection): its producer's backward needs no copy.
+                d_gate = torch.mul(y, grad, out=torch.empty_like(gate))
+            else:
+                y = y if y is not out else out.to(acc, copy=True)  # a fresh acc buffer: products summed in acc
+                d_gate = y.mul_(grad).sum_to_size(gate.shape).to(gate.dtype)
             del y
         # Without a gate dy is grad itself: the mixed-dtype ops below upcast it on the fly (no float32 copy).
         dy = grad if gate is None else torch.mul(grad.to(acc), gate)
