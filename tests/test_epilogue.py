@@ -1,6 +1,7 @@
 """The variant epilogue (ops/epilogue.py): its hand-written backward against autograd of the readable formula, the
 ops and variants that run through it against the reference in float64, the dispatch, and the Triton kernels under
 the interpreter (TRITON_INTERPRET=1, a subprocess so the flag is set before triton is imported)."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -217,6 +218,9 @@ def test_non_contiguous_incoming_gradient():
 def test_dispatch_is_explicit(monkeypatch):
     cpu = torch.device("cpu")
     assert select_impl(cpu) == "eager"
+    if importlib.util.find_spec("triton") is not None:
+        assert select_impl(torch.device("cuda")) == "triton"  # chosen by device type: needs no GPU to check
+    assert select_impl(torch.device("meta")) == "eager"
     with pytest.raises(ValueError, match="impl must be one of"):
         select_impl(cpu, "fused")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+
 import torch
 from torch import Tensor
 
@@ -175,7 +176,9 @@ class _Epilogue(torch.autograd.Function):
 
 
 class _eager:
-    """The combine as a few eager passes, in place where that saves an allocation. Layouts as `epilogue`."""
+    """The combine as a few eager passes. On CPU a mixed-dtype op (bfloat16 with float32) first materialises a
+    float32 copy of its low-precision operand, and a fresh buffer costs more than the pass that fills it, so every
+    operand is converted once and the passes run in place on buffers this function owns. Layouts as `epilogue`."""
 
     @staticmethod
     def _affine_views(out: Tensor, alpha: Tensor, alpha_ma: Tensor, m: Tensor, acc: torch.dtype):
@@ -187,25 +190,27 @@ class _eager:
         return a, b, m.to(acc)[:, :, None]
 
     @staticmethod
+    def _owned(x: Tensor, acc: torch.dtype) -> Tensor:
+        """x in acc as a buffer the caller may overwrite (a copy even when x already is in acc)."""
+        return x.to(acc, copy=True)
+
+    @staticmethod
     def _combine(out, alpha, alpha_ma, m, acc):
-        """y = a * out + b * m in acc, (B, Hq, T, D), freshly allocated."""
+        """y = a * out + b * m in acc, (B, Hq, T, D), a fresh buffer."""
         a, b, m5 = _eager._affine_views(out, alpha, alpha_ma, m, acc)
         B, Hq, T, D = out.shape
-        y = torch.mul(out.view(a.shape[:3] + (T, D)) if out.is_contiguous() else
-                      out.reshape(a.shape[:3] + (T, D)), a)
-        if y.dtype != acc:
-            y = y.to(acc)
+        out5 = out.reshape(a.shape[:3] + (T, D))
+        y = torch.mul(out5, a) if out.dtype == acc else out5.to(acc).mul_(a)
         return y.addcmul_(b, m5).view(B, Hq, T, D)
 
     @staticmethod
     def forward(out, alpha, alpha_ma, m, gate):
         acc = float_acc(out.dtype)
-        if alpha is not None:
-            y = _eager._combine(out, alpha, alpha_ma, m, acc)
-            if gate is not None:
-                y.mul_(gate)
-        else:
-            y = torch.mul(out, gate)
+        if alpha is None:
+            return torch.mul(out, gate).to(out.dtype)
+        y = _eager._combine(out, alpha, alpha_ma, m, acc)
+        if gate is not None:
+            y.mul_(gate)
         return y.to(out.dtype)
 
     @staticmethod
@@ -215,47 +220,50 @@ class _eager:
         acc = float_acc(out.dtype)
         B, Hq, T, D = out.shape
         d_gate = d_alpha = d_alpha_ma = d_m = None
+        # dy = grad * gate in acc. Read-only below: without a gate it may be grad itself.
+        gf = grad.to(acc)
         if gate is not None and need_gate:
-            y = _eager._combine(out, alpha, alpha_ma, m, acc) if alpha is not None else out
-            if gate.shape == out.shape:
-                # Written in the gate's own layout (a transposed projection): its producer's backward needs no copy.
-                d_gate = torch.mul(y, grad, out=torch.empty_like(gate))
-            else:
-                y = y if y is not out else out.to(acc, copy=True)  # a fresh acc buffer: products summed in acc
-                d_gate = y.mul_(grad).sum_to_size(gate.shape).to(gate.dtype)
+            y = _eager._combine(out, alpha, alpha_ma, m, acc) if alpha is not None else _eager._owned(out, acc)
+            y.mul_(gf)
+            d_gate = y.sum_to_size(gate.shape)
+            # Elementwise: written in the gate's own layout (a transposed projection), so its producer's backward
+            # needs no copy.
+            d_gate = (torch.empty_like(gate).copy_(d_gate) if gate.shape == out.shape
+                      else d_gate.to(gate.dtype))
             del y
-        # Without a gate dy is grad itself: the mixed-dtype ops below upcast it on the fly (no float32 copy).
-        dy = grad if gate is None else torch.mul(grad.to(acc), gate)
+        dy = gf if gate is None else (gf.mul_(gate) if gf is not grad else torch.mul(grad, gate))
         if alpha is None:
             return dy.to(out.dtype), None, None, d_gate, None
         a, b, m5 = _eager._affine_views(out, alpha, alpha_ma, m, acc)
         Hm, G = a.shape[1], a.shape[2]
         dy5, out5 = dy.reshape(B, Hm, G, T, D), out.reshape(B, Hm, G, T, D)
-        # Computed in acc and written in out's dtype in the same pass.
-        d_out = torch.mul(dy5, a, out=torch.empty(dy5.shape, dtype=out.dtype, device=out.device)).view(B, Hq, T, D)
+        d_out_acc = torch.mul(dy5, a)
+        d_out = d_out_acc.to(out.dtype).view(B, Hq, T, D)
+        # Fresh (B, Hm, T, D) acc buffers this function may overwrite: the float32 d out (a copy was made), m.
+        free = [d_out_acc.view(B, Hq, T, D)] if d_out.data_ptr() != d_out_acc.data_ptr() and G == 1 else []
+        m_owned = m_scratch and m.shape[2] == T and m.dtype == acc
         if need_alpha_ma:
             d_alpha_ma = torch.mul(dy5, m5).sum((0, 3, 4)).reshape(Hq).to(alpha_ma.dtype)
-        # Fresh (B, Hm, T, D) buffers: one scratch for the query heads of a group, then reused for d m. A CPU
-        # allocation of that size costs more than the pass that fills it, so there are as few as possible.
-        scratch = None
-        m_free = m_scratch and m.shape[2] == T and m.dtype == acc
         if need_alpha:
             d_alpha = torch.empty((B, Hm, G, T), dtype=acc, device=out.device)
+            scratch = free.pop() if free else None
             for g in range(G):
-                if g == G - 1 and m_free:
+                if g == G - 1 and m_owned:
                     # d alpha = dy . (out - m) = -(dy . (m - out)), computed in m's own buffer.
-                    r = m.sub_(out5[:, :, g]).mul_(dy5[:, :, g])
-                    torch.sum(r, -1, out=d_alpha[:, :, g]).neg_()
-                    scratch = m
+                    torch.sum(m.sub_(out5[:, :, g]).mul_(dy5[:, :, g]), -1, out=d_alpha[:, :, g]).neg_()
+                    m_owned = False
+                    free.append(m)
                 else:
                     scratch = torch.sub(out5[:, :, g], m5[:, :, 0], out=scratch).mul_(dy5[:, :, g])
                     torch.sum(scratch, -1, out=d_alpha[:, :, g])
+            if scratch is not None:
+                free.append(scratch)
             d_alpha = d_alpha.view(B, Hq, T).to(alpha.dtype)
         if need_m:
             # d m = sum over the group of (alpha_ma - a) * dy, then over T for a (B, Hm, 1, D) mean.
-            if scratch is None and m_free:
-                scratch = m
-            d_m = torch.mul(dy5[:, :, 0], b[:, :, 0], out=scratch)
+            if m_owned:
+                free.append(m)
+            d_m = torch.mul(dy5[:, :, 0], b[:, :, 0], out=free.pop() if free else None)
             for g in range(1, G):
                 d_m.addcmul_(dy5[:, :, g], b[:, :, g])
             d_m = d_m.sum_to_size(m.shape).to(m.dtype)

@@ -62,10 +62,11 @@ class ValueMean:
         else:
             T, off = mk.T, mk.offset
             total = x.sum(-2, keepdim=True)  # (B, Hkv, 1, D): what every key up to the first query's last sees
-            prefix = x.cumsum_(-2)  # prefix[i] = sum of x over queries 0..i
+            # Key j > off is seen by queries i >= j - off: the total less the prefix over the queries before. In
+            # place, then copied into dv (in v's dtype) shifted by one row: no further buffer.
+            rest = x.cumsum_(-2).neg_().add_(total)
             dv[:, :, :off + 1].copy_(total.expand(B, Hkv, off + 1, D))
-            # Key j > off is seen by queries i >= j - off: the total less the queries before.
-            torch.sub(total, prefix[:, :, :T - 1], out=dv[:, :, off + 1:])
+            dv[:, :, off + 1:].copy_(rest[:, :, :T - 1])
         if mk.keys is not None:
             dv.mul_(mk.keys[:, :, 0, :, None])
         return dv
