@@ -64,7 +64,7 @@ class ValueMean:
             total = x.sum(-2, keepdim=True)  # (B, Hkv, 1, D): what every key up to the first query's last sees
             # Key j > off is seen by queries i >= j - off: the total less the prefix over the queries before. In
             # place, then copied into dv (in v's dtype) shifted by one row: no further buffer.
-            rest = x.cumsum_(-2).neg_().add_(total)
+            rest = torch.sub(total, x.cumsum_(-2), out=x)
             dv[:, :, :off + 1].copy_(total.expand(B, Hkv, off + 1, D))
             dv[:, :, off + 1:].copy_(rest[:, :, :T - 1])
         if mk.keys is not None:
