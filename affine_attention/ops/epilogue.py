@@ -239,27 +239,32 @@ class _eager:
         dy5, out5 = dy.reshape(B, Hm, G, T, D), out.reshape(B, Hm, G, T, D)
         d_out_acc = torch.mul(dy5, a)
         d_out = d_out_acc.to(out.dtype).view(B, Hq, T, D)
-        # Buffers this function owns and may overwrite: the float32 d out once converted, m when recomputed.
-        # (B, Hm, G, T, D)-sized ones serve as scratch; each op runs over the whole group at once.
-        scratch = d_out_acc if d_out.data_ptr() != d_out_acc.data_ptr() else None
+        # Fresh (B, Hm, T, D) acc buffers this function may overwrite: the float32 d out (a copy was made), m.
+        free = [d_out_acc.view(B, Hq, T, D)] if d_out.data_ptr() != d_out_acc.data_ptr() and G == 1 else []
         m_owned = m_scratch and m.shape[2] == T and m.dtype == acc
         if need_alpha_ma:
             d_alpha_ma = torch.mul(dy5, m5).sum((0, 3, 4)).reshape(Hq).to(alpha_ma.dtype)
         if need_alpha:
-            if G == 1 and m_owned:
-                # d alpha = dy . (out - m) = -(dy . (m - out)), computed in m's own buffer.
-                d_alpha = m5.sub_(out5).mul_(dy5).sum(-1).neg_()
-                scratch, m_owned = (scratch if scratch is not None else m5), False
-            else:
-                diff = torch.sub(out5, m5, out=scratch).mul_(dy5)
-                d_alpha = diff.sum(-1)
-                scratch = diff
+            d_alpha = torch.empty((B, Hm, G, T), dtype=acc, device=out.device)
+            scratch = free.pop() if free else None
+            for g in range(G):
+                if g == G - 1 and m_owned:
+                    # d alpha = dy . (out - m) = -(dy . (m - out)), computed in m's own buffer.
+                    torch.sum(m.sub_(out5[:, :, g]).mul_(dy5[:, :, g]), -1, out=d_alpha[:, :, g]).neg_()
+                    m_owned = False
+                    free.append(m)
+                else:
+                    scratch = torch.sub(out5[:, :, g], m5[:, :, 0], out=scratch).mul_(dy5[:, :, g])
+                    torch.sum(scratch, -1, out=d_alpha[:, :, g])
+            if scratch is not None:
+                free.append(scratch)
             d_alpha = d_alpha.view(B, Hq, T).to(alpha.dtype)
         if need_m:
             # d m = sum over the group of (alpha_ma - a) * dy, then over T for a (B, Hm, 1, D) mean.
-            if scratch is None and G == 1 and m_owned:
-                scratch = m5
-            prod = torch.mul(dy5, b, out=scratch)
-            d_m = prod[:, :, 0] if G == 1 else torch.sum(prod, 2, out=m if m_owned else None)
+            if m_owned:
+                free.append(m)
+            d_m = torch.mul(dy5[:, :, 0], b[:, :, 0], out=free.pop() if free else None)
+            for g in range(1, G):
+                d_m.addcmul_(dy5[:, :, g], b[:, :, g])
             d_m = d_m.sum_to_size(m.shape).to(m.dtype)
         return d_out, d_alpha, d_alpha_ma, d_gate, d_m
