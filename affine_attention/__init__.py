@@ -8,6 +8,10 @@ def __getattr__(name: str):
         from .hf.convert import convert
 
         return convert
+    if name == "step_running_stats":
+        from .variants.running_stats import step_running_stats
+
+        return step_running_stats
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -14,6 +14,38 @@ AREAS = (
 )
 
 
+def _add_compare(sub) -> None:
+    """`compare` spans two floors (train, then the analysis report), so it is defined here, above both."""
+    from .train.cli import add_run_options
+
+    c = sub.add_parser("compare", help="train every variant from the same start and summarise",
+                       description="Train each variant of [compare].variants with the same seed, initial "
+                       "weights and data order; write summary.json and summary.md. With no arguments runs "
+                       "the tiny preset offline.")
+    add_run_options(c)
+    c.add_argument("--seeds", type=int, default=None, help="number of seeds (default: compare.seeds)")
+    c.add_argument("--no-report", dest="report", action="store_false",
+                   help="skip report.md / report.html (regenerate later with `affine-attention report RUN_DIR`)")
+    c.set_defaults(func=_compare)
+
+
+def _compare(args) -> int:
+    from .train.cli import run_compare
+
+    out, main = run_compare(args)
+    if main:
+        if args.report:
+            try:
+                from .analysis.report import write_report
+            except ModuleNotFoundError as err:
+                raise ValueError(f"writing the report needs {err.name} (pip install 'affine-attention[analysis]'); "
+                                 "or pass --no-report and run `affine-attention report RUN_DIR` later") from err
+            paths = write_report(out)
+            print(f"report: {paths['html']} (and {paths['md']})")
+        print(f"run folder: {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="affine-attention", description=__doc__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -25,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.add_commands(sub)
+        if name == "affine_attention.train.cli":
+            _add_compare(sub)
     return parser
 
 

@@ -1,12 +1,14 @@
-"""Per-token latency of cached greedy decoding for every attention variant, as a ratio to softmax, at cache lengths
-256..8192 on a small model; variants interleaved in a shuffled order per repeat, medians of paired ratios.
+"""Per-token latency of cached greedy decoding for every attention variant, against the unconverted transformers
+"sdpa" model, at cache lengths 256..8192 on a small model; variants interleaved in a shuffled order per repeat,
+medians of paired ratios, and the extra microseconds per layer over "sdpa" (median of paired differences).
 
     python benchmarks/bench_decode.py [--quick] [--preset small-llama] [--lengths 256 1024] [--repeats 15]
+                                      [--variants softmax affine sink gated]
 
 The cache is filled with random keys/values of the requested length (decode cost does not depend on their
 content), so no long prefill is timed or needed. Before each timed run the cache is cropped back to that length
 and one untimed step resynchronises the affine running value sum (a crop invalidates it, by design), then `steps`
-greedy tokens are timed. "hf-sdpa" is the unconverted model with transformers' SDPA attention, for reference.
+greedy tokens are timed. "hf-sdpa" (the unconverted model with transformers' SDPA attention) is the baseline.
 """
 from __future__ import annotations
 
@@ -67,11 +69,11 @@ class Decoder:
 
 
 def bench(preset: str, lengths: list[int], repeats: int, steps: int, device: str = "cpu", dtype=None,
-          seed: int = 0) -> dict[int, dict[str, list[float]]]:
+          seed: int = 0, variants: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
     torch.manual_seed(seed)
     base = build_model(preset, device=device, dtype=dtype).eval()
     models = {"hf-sdpa": base}
-    for name in variant_names():
+    for name in variants or variant_names():
         models[name] = affine_attention.convert(copy.deepcopy(base), name).eval()
     rng = random.Random(seed)
     results = {}
@@ -87,20 +89,25 @@ def bench(preset: str, lengths: list[int], repeats: int, steps: int, device: str
                 for name in order:
                     times[name].append(decoders[name].run())
             results[length] = times
-            print(f"  cache {length}: softmax {statistics.median(times['softmax']) * 1e3:.2f} ms/token",
+            print(f"  cache {length}: hf-sdpa {statistics.median(times['hf-sdpa']) * 1e3:.2f} ms/token",
                   file=sys.stderr, flush=True)
     return results
 
 
-def table(results: dict[int, dict[str, list[float]]]) -> str:
-    names = [n for n in next(iter(results.values())) if n != "softmax"]
-    lines = ["| cache length | softmax ms/token | " + " | ".join(names) + " |",
+def table(results: dict[int, dict[str, list[float]]], layers: int, baseline: str = "hf-sdpa") -> str:
+    """Per cache length: the baseline's ms/token, then per variant its ratio to the baseline and its extra
+    microseconds per layer (both medians over the paired repeats)."""
+    names = [n for n in next(iter(results.values())) if n != baseline]
+    lines = [f"| cache length | {baseline} ms/token | " + " | ".join(names) + " |",
              "|---:|---:|" + "---:|" * len(names)]
     for length, times in results.items():
-        base = times["softmax"]
-        ratios = [statistics.median(t / b for t, b in zip(times[n], base)) for n in names]
-        lines.append(f"| {length} | {statistics.median(base) * 1e3:.2f} | "
-                     + " | ".join(f"{r:.2f}" for r in ratios) + " |")
+        base = times[baseline]
+        cells = []
+        for n in names:
+            ratio = statistics.median(t / b for t, b in zip(times[n], base))
+            extra = statistics.median((t - b) / layers for t, b in zip(times[n], base)) * 1e6
+            cells.append(f"{ratio:.2f}x ({extra:+.0f} µs)")
+        lines.append(f"| {length} | {statistics.median(base) * 1e3:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -113,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help="greedy tokens per timed run (default 8)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--variants", nargs="+", choices=variant_names(), help="variants to time (default: all)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args(argv)
     lengths = args.lengths or ([256, 1024] if args.quick else [256 * 2 ** i for i in range(6)])
@@ -120,11 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (4 if args.quick else 8)
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = bench(args.preset, lengths, repeats, steps, args.device, getattr(torch, args.dtype))
+    results = bench(args.preset, lengths, repeats, steps, args.device, getattr(torch, args.dtype),
+                    variants=args.variants)
     where = f"CPU threads {torch.get_num_threads()}" if args.device == "cpu" else args.device
-    print(f"Cached greedy decoding, preset {args.preset}, {args.dtype}, batch 1, {where}: "
-          f"per-token latency as a ratio to softmax (median of {repeats} paired ratios, {steps} tokens each).\n")
-    print(table(results))
+    layers = build_model(args.preset).config.num_hidden_layers
+    print(f"Cached greedy decoding, preset {args.preset} ({layers} layers), {args.dtype}, batch 1, {where}: "
+          f"per-token latency as a ratio to the unconverted transformers 'sdpa' model, and in parentheses the "
+          f"extra time per layer (medians of {repeats} paired repeats, {steps} tokens each).\n")
+    print(table(results, layers))
     return 0
 
 

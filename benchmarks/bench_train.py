@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import paired_ratios  # noqa: E402
 
 from affine_attention.train.config import load_config  # noqa: E402
+from affine_attention.variants.running_stats import step_running_stats  # noqa: E402
 
 VARIANTS = ["softmax", "off_by_one", "sink", "gated", "affine", "affine_gated"]
 
@@ -35,6 +36,7 @@ def _step_fn(model, batch, loss_fn):
         loss_fn(logits, inputs, targets).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        step_running_stats(model)  # alpha_ma's one EMA step per optimizer step (no-op without running stats)
         opt.zero_grad(set_to_none=True)
     return step
 

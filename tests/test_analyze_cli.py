@@ -18,7 +18,7 @@ FIGURES = {"first_token_mass", "entropy", "head_mass", "mass_histogram", "attent
 def _tiny(path, variant=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from affine_attention.train.corpus import default_tokenizer
+    from affine_attention.text.corpus import default_tokenizer
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

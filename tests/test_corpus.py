@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from affine_attention.train.corpus import (
+from affine_attention.text.corpus import (
     EOS_TOKEN,
     PAD_TOKEN,
     corpus_texts,

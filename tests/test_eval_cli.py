@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from affine_attention.eval import cli
-from affine_attention.train.corpus import default_tokenizer as make_tokenizer  # the packaged one
+from affine_attention.text.corpus import default_tokenizer as make_tokenizer  # the packaged one
 
 
 def parse(argv):

@@ -18,7 +18,7 @@ from affine_attention.eval import (
     materialize_fixture_tasks,
     write_results,
 )
-from affine_attention.train.corpus import default_tokenizer as make_tokenizer  # the packaged one
+from affine_attention.text.corpus import default_tokenizer as make_tokenizer  # the packaged one
 
 FIXTURES = Path(__file__).resolve().parents[1] / "affine_attention" / "eval" / "fixtures"
 LIMIT = 6

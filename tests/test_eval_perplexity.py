@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from affine_attention.eval import perplexity, read_texts
-from affine_attention.train.corpus import default_tokenizer as make_tokenizer  # the packaged one
+from affine_attention.text.corpus import default_tokenizer as make_tokenizer  # the packaged one
 
 TEXTS = [
     "The river ran fast after the rain, and the old bridge shook under the carts.",

@@ -97,9 +97,11 @@ def test_mask_function_forms():
     pad = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     assert structured_mask(2, 4, 4, attention_mask=torch.ones(2, 4, dtype=torch.bool)) is None
     assert torch.equal(structured_mask(2, 4, 4, attention_mask=pad), pad[:, None, None, :])
-    # a 4-token window hides nothing for 4 keys but does for 6: dense, exactly transformers' mask
+    # a sliding window stays structured (the attention function passes it on as `window=`): padding only
     assert structured_mask(2, 4, 4, attention_mask=pad, local_size=4).shape == (2, 1, 1, 4)
-    dense = structured_mask(1, 6, 6, local_size=4, mask_function=sliding_window_causal_mask_function(4))
+    assert structured_mask(1, 6, 6, local_size=4, mask_function=sliding_window_causal_mask_function(4)) is None
+    # any other pattern (here a window without local_size, as a custom mask function) is dense, transformers' own
+    dense = structured_mask(1, 6, 6, mask_function=sliding_window_causal_mask_function(4))
     i, j = torch.arange(6)[:, None], torch.arange(6)[None]
     assert torch.equal(dense[0, 0], (j <= i) & (j > i - 4))
     # not bottom-right aligned (a static cache of 8 slots, 2 written): dense
@@ -157,6 +159,7 @@ def test_gradient_checkpointing_updates_alpha_ma_once():
     ids, mask, pos = left_padded(T=8)
     for m in (plain, checkpointed):
         m(ids, attention_mask=mask, position_ids=pos, labels=ids).loss.backward()
+        affine_attention.step_running_stats(m)
     assert calls == {id(plain): 1, id(checkpointed): 2}  # the checkpointed layer really ran again in backward
     for lp, lc in zip(plain.model.layers, checkpointed.model.layers):
         assert torch.equal(lp.self_attn.attn_variant.alpha_ma, lc.self_attn.attn_variant.alpha_ma)
@@ -213,6 +216,8 @@ def test_torch_compile_inductor_affine():
     ref.backward()
     assert torch.allclose(loss, ref, atol=1e-5)
     assert all(p.grad is not None for p in model.parameters())
+    for m in (model, reference):
+        affine_attention.step_running_stats(m)
     for lm, lr in zip(model.model.layers, reference.model.layers):
         assert torch.allclose(lm.self_attn.attn_variant.alpha_ma, lr.self_attn.attn_variant.alpha_ma)
 

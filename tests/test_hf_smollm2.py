@@ -12,7 +12,7 @@ from test_hf_common import perturb  # noqa: F401  (skips without transformers, r
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import affine_attention
-from affine_attention.train.corpus import corpus_texts
+from affine_attention.text.corpus import corpus_texts
 
 pytestmark = pytest.mark.slow
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,3 +82,48 @@ def test_affine_conversion_saves_loads_and_decodes(smollm, tmp_path):
         for t in range(n, ids.shape[1]):
             logits.append(loaded(ids[:, t:t + 1], cache=cache).logits)
         assert (torch.cat(logits, 1) - loaded(ids).logits).abs().max() <= 1e-3
+
+
+PROMPTS = ["The king said", "Now is the winter of our", "To be, or not to be"]
+
+
+@pytest.fixture(scope="module")
+def retrofitted(smollm):
+    model, _, _ = smollm
+    return {v: affine_attention.convert(copy.deepcopy(model), v, function_preserving=True)
+            for v in ("affine", "sink", "gated", "affine_gated", "scaled_softmax")}
+
+
+def test_function_preserving_conversion_keeps_the_real_model(smollm, retrofitted):
+    model, _, ids = smollm
+    with torch.no_grad():
+        ref = model(ids).logits
+        for variant, conv in retrofitted.items():
+            err = float((conv(ids).logits - ref).abs().max())
+            # sink: the -20 logit keeps a mass of sigmoid(-20 - lse) per row (8.9e-4 measured on these tokens)
+            assert err <= (2e-3 if variant == "sink" else 1e-5), (variant, err)
+
+
+def _greedy_agreement(model, tok) -> float:
+    """Share of greedy tokens that cached decoding and use_cache=False agree on, over PROMPTS."""
+    same = total = 0
+    for prompt in PROMPTS:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        a = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
+        b = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=False, pad_token_id=0)
+        same += int((a[0, ids.shape[1]:] == b[0, ids.shape[1]:]).sum())
+        total += a.shape[1] - ids.shape[1]
+    return same / total
+
+
+def test_retrofitted_affine_in_bfloat16_drifts_no_more_than_the_original(smollm, retrofitted):
+    model, tok, ids = smollm
+    ids = ids[:, :256]
+    with torch.no_grad():
+        ref = model(ids).logits
+        base_bf = copy.deepcopy(model).to(torch.bfloat16)
+        conv_bf = copy.deepcopy(retrofitted["affine"]).to(torch.bfloat16)
+        base_err = float((base_bf(ids).logits.float() - ref).abs().max())
+        conv_err = float((conv_bf(ids).logits.float() - ref).abs().max())
+        assert conv_err <= 1.5 * base_err, (conv_err, base_err)
+        assert _greedy_agreement(conv_bf, tok) >= _greedy_agreement(base_bf, tok)

@@ -29,7 +29,7 @@ def _checkpoint(path, variant):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import affine_attention
-    from affine_attention.train.corpus import default_tokenizer
+    from affine_attention.text.corpus import default_tokenizer
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

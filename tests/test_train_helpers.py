@@ -22,7 +22,7 @@ TINY = [
 
 def write_small_corpus(folder: Path) -> tuple[Path, Path]:
     """Two JSONL files cut from the embedded corpus (train: 6 works x 6k chars, eval: 2 works x 6k chars)."""
-    from affine_attention.train.corpus import corpus_texts
+    from affine_attention.text.corpus import corpus_texts
 
     folder.mkdir(parents=True, exist_ok=True)
     train, evals = folder / "train.jsonl", folder / "eval.jsonl"

@@ -150,3 +150,19 @@ def test_vocab_fingerprint_sees_one_token_more(student_tok):
     assert vocab_fingerprint(other) == vocab_fingerprint(student_tok)
     other.add_tokens(["<|x|>"])
     assert vocab_fingerprint(other)[0] != vocab_fingerprint(student_tok)[0]
+
+
+def test_teacher_sees_the_students_document_boundaries(teachers, student_tok, tmp_path):
+    """Under document masking the teacher's logits of a packed row are those of each document alone."""
+    cfg = KDConfig(enabled=True, teacher=teachers["same"], cache_dir=str(tmp_path / "cache"))
+    sep = 7
+    teacher = Teacher(cfg, student_tok=student_tok, student_tok_spec="default", student_vocab=4096, data_key="d",
+                      seq_len=10, device=torch.device("cpu"), doc_sep=sep)
+    a, b = torch.tensor([11, 12, 13, sep]), torch.tensor([21, 22, 23, 24, sep, 31])
+    packed = teacher.targets(torch.cat([a, b])[None], torch.tensor([0]))["logits"][0]
+    alone = [teacher.targets(x[None], torch.tensor([0]))["logits"][0] for x in (a, b[:5], b[5:])]
+    torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-5, atol=1e-5)
+    plain = Teacher(cfg, student_tok=student_tok, student_tok_spec="default", student_vocab=4096, data_key="d",
+                    seq_len=10, device=torch.device("cpu"))
+    across = plain.targets(torch.cat([a, b])[None], torch.tensor([0]))["logits"][0]
+    assert not torch.allclose(across[4:], torch.cat(alone)[4:], atol=1e-4)  # without it, attention crosses

@@ -6,6 +6,7 @@ from torch.utils.checkpoint import checkpoint
 from affine_attention.variants import (
     AttentionShape, build_variant, get_variant, is_control, linear_clip, parse_options, variant_names,
 )
+from affine_attention.variants.running_stats import step_running_stats
 from conftest import make_qkv
 
 SHAPE = AttentionShape(hidden_size=24, num_heads=4, num_kv_heads=2, head_dim=8)
@@ -87,6 +88,7 @@ def test_affine_frozen_has_no_alpha_projection_and_alpha_ma_converges_to_the_con
     x = torch.randn(1, 5, 24, dtype=torch.float64)
     for _ in range(200):
         m(q, k, v, x, is_causal=True)
+        step_running_stats(m)
     torch.testing.assert_close(m.alpha_ma, torch.full((4,), 0.5, dtype=torch.float64), rtol=0, atol=1e-6)
 
 
@@ -121,10 +123,13 @@ def test_alpha_ma_update_rule_eval_freeze_and_padding():
         mean = (alpha * token_mask[:, None]).sum((0, 2)) / token_mask.sum()
         expected = 0.8 * expected + 0.2 * mean
         m(q, k, v, x, is_causal=True, token_mask=token_mask)
+        assert step_running_stats(m) == 1
         torch.testing.assert_close(m.alpha_ma.double(), expected.float().double(), rtol=1e-6, atol=1e-7)
     frozen = m.alpha_ma.clone()
     m.eval()
     m(q, k, v, x, is_causal=True)
+    assert not m.alpha_acc.any()  # eval forwards accumulate nothing
+    step_running_stats(m)
     assert torch.equal(m.alpha_ma, frozen)
 
 
@@ -146,12 +151,13 @@ def test_activation_checkpointing_updates_alpha_ma_once(reentrant):
 
     out_plain = m(q, k, v, x, is_causal=True)
     grads_plain = grads_of(out_plain)
-    after_one = m.alpha_ma.clone()
+    after_one = m.alpha_acc.clone()
+    assert after_one[-1] == 2 * 6
 
-    m.alpha_ma.zero_()
+    m.alpha_acc.zero_()
     out_ckpt = checkpoint(lambda *a: m(*a, is_causal=True), q, k, v, x, use_reentrant=reentrant)
     grads_ckpt = grads_of(out_ckpt)
-    assert torch.equal(m.alpha_ma, after_one), "recomputation in backward updated alpha_ma again"
+    assert torch.equal(m.alpha_acc, after_one), "recomputation in backward accumulated alpha again"
     torch.testing.assert_close(out_ckpt, out_plain)
     for a, b in zip(grads_ckpt, grads_plain):
         torch.testing.assert_close(a, b)

@@ -7,6 +7,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from affine_attention.variants import AttentionShape, build_variant
+from affine_attention.variants.running_stats import step_running_stats
 
 
 def _free_port() -> int:
@@ -29,6 +30,7 @@ def _worker(rank, world, port, out_dir):
             q, k, v = (torch.randn(2, 2, T, 8) for _ in range(3))
             x = torch.randn(2, T, 16)
             m(q, k, v, x, is_causal=True)
+            step_running_stats(m)  # one collective: the token-weighted mean over both ranks
         torch.save({"alpha_ma": m.alpha_ma.clone()}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

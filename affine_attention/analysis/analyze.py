@@ -17,77 +17,48 @@ from .._environment import versions
 from .capture import AttentionRecorder, LayerRecord, find_variant_modules, utilisation
 
 __all__ = ["load_model", "read_texts", "token_windows", "record", "summarise", "write_figures", "analyze",
-           "peak_memory", "SMOLLM2"]
-
-SMOLLM2 = "smollm2-135m-instruct-gguf"  # alias in train.pretrained (found without importing the wheel)
-SHORTHANDS = {"smollm2": SMOLLM2, SMOLLM2: SMOLLM2}
+           "peak_memory"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # model and data
 # ---------------------------------------------------------------------------------------------------------------
 def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32, tokenizer: str | None = None):
-    """(model, tokenizer, info) for a local model folder, a *.gguf file or the shorthand "smollm2".
+    """(model, tokenizer, info) for a local model folder, a *.gguf file or the shorthand "smollm2" (hf.load).
 
     The model is put in eval mode on `device`. A model without attention-variant modules (a plain transformers
-    checkpoint) is converted to "softmax", which leaves its logits unchanged, so its attention can be recorded.
+    checkpoint) is converted to the reference variant, which leaves its logits unchanged, so its attention can be
+    recorded.
     """
-    import affine_attention  # noqa: F401  (registers the converted architectures so their checkpoints load)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from ..hf import load
+    from ..hf.convert import convert
+    from ..variants import REFERENCE
 
-    from ..train.pretrained import resolve
-
-    name = SHORTHANDS.get(spec.lower(), spec)
-    path, kwargs = resolve(name)
-    if not kwargs and not Path(path).is_dir():
-        raise ValueError(f"--model {spec!r}: not a local model folder, a .gguf file or 'smollm2' "
-                         "(analyze never downloads models)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    model = load.load_model(spec, dtype=dtype)
     try:
         find_variant_modules(model)
         converted = True
     except ValueError:
-        affine_attention.convert(model, "softmax")
+        convert(model, REFERENCE)
         converted = False
     model.to(device).eval()
-    tok_path, tok_kwargs = (path, kwargs) if tokenizer is None else resolve(tokenizer)
-    try:
-        tok = AutoTokenizer.from_pretrained(tok_path, **tok_kwargs)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"no tokenizer found for {spec!r} ({err}); pass --tokenizer PATH") from None
+    tok = load.load_tokenizer(spec if tokenizer is None else tokenizer)
     variants = sorted({m.name for _, _, m in find_variant_modules(model)})
-    cfg = model.config
-    info = {"model": spec, "path": str(Path(path) / kwargs["gguf_file"]) if kwargs else str(path),
-            "architecture": type(model).__name__, "variants": variants, "converted_checkpoint": converted,
-            "num_layers": getattr(cfg, "num_hidden_layers", None),
-            "num_heads": getattr(cfg, "num_attention_heads", None),
-            "num_kv_heads": getattr(cfg, "num_key_value_heads", None), "hidden_size": getattr(cfg, "hidden_size", None),
-            "parameters": sum(p.numel() for p in model.parameters())}
+    info = load.describe(model, spec)
+    info = {**info, "variants": variants, "converted_checkpoint": converted}
     return model, tok, info
 
 
 def read_texts(path: str | None) -> tuple[list[str], str]:
-    """Documents of a .txt file (one document) or .jsonl file ("text" per line); None -> the packaged validation
+    """Documents of a file (text.file_documents: .txt, .jsonl, .parquet, ...); None -> the packaged validation
     corpus. Returns (texts, description)."""
-    if path is None:
-        from ..train.corpus import corpus_texts
+    from ..text import documents, read_documents
 
-        return corpus_texts("validation"), "packaged validation corpus (public-domain Shakespeare)"
-    p = Path(path)
-    if not p.is_file():
+    if path is None:
+        return list(documents("corpus", split="validation")), "packaged validation corpus (public-domain Shakespeare)"
+    if not Path(path).is_file():
         raise ValueError(f"--data {path}: no such file")
-    if p.suffix in (".txt", ".md"):
-        return [p.read_text(encoding="utf-8")], str(p)
-    if p.suffix in (".jsonl", ".json"):
-        texts = []
-        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-            if line.strip():
-                obj = json.loads(line)
-                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                    raise ValueError(f"{p}:{n}: expected a JSON object with a string 'text' field")
-                texts.append(obj["text"])
-        return texts, str(p)
-    raise ValueError(f"--data {path}: use a .txt file (one document) or .jsonl (one {{'text': ...}} per line)")
+    return read_documents(path), str(path)
 
 
 def token_windows(tokenizer, texts: Iterable[str], sequences: int, length: int) -> torch.Tensor:

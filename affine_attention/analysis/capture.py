@@ -14,7 +14,8 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor, nn
 
-from ..ops import attention_logits, visible_mask
+from ..ops import visible_mask
+from ..ops.logits import visible_logit_sums
 from ..variants import AttentionVariant
 from .metrics import LayerStats, alpha_distribution, head_utilisation
 
@@ -210,7 +211,6 @@ class AttentionRecorder:
         if qmask is not None:
             qmask = qmask.to(q.device)
         mask4 = _as4d(attn_mask) if attn_mask is not None else None
-        gqa = k.shape[1] != H
         for t0 in range(0, T, self.chunk):
             t1 = min(T, t0 + self.chunk)
             # Bottom-right causal: query i sees keys j <= i + S - T. The block's queries see at most the first
@@ -232,28 +232,21 @@ class AttentionRecorder:
             qm = qmask[:, t0:t1] if qmask is not None else None
             _, w, extras = module.reference(qb, kb, vb, xb, attn_mask=blk_mask, is_causal=causal_blk, scale=scale)
             vis = visible_mask(blk_mask, causal_blk, t1 - t0, prefix, q.device)
-            self._reduce(acc, w, vis, qm, extras, t0,
-                         attention_logits(qb, kb, scale=scale, enable_gqa=gqa))
+            self._reduce(acc, w, vis, qm, extras, t0)
+            acc.qk = _add(acc.qk, visible_logit_sums(qb, kb, attn_mask=blk_mask, is_causal=causal_blk, scale=scale,
+                                                     query_mask=qm))
             del w, extras, vis
 
-    def _reduce(self, acc: _Accumulator, w: Tensor, vis: Tensor, qm: Tensor | None, extras: dict, t0: int,
-                logits: Tensor) -> None:
-        """w, logits: (B, H, Tc, Sc); vis: (B|1, 1|H, Tc, Sc) bool; qm: (B, Tc) bool or None."""
+    def _reduce(self, acc: _Accumulator, w: Tensor, vis: Tensor, qm: Tensor | None, extras: dict, t0: int) -> None:
+        """w: (B, H, Tc, Sc); vis: (B|1, 1|H, Tc, Sc) bool; qm: (B, Tc) bool or None."""
         B, H, Tc, Sc = w.shape
         if w.dtype not in (torch.float32, torch.float64):  # bf16/fp16 models: reduce in float32
-            w, logits = w.float(), logits.float()
+            w = w.float()
         sink = extras.get("sink_mass")
         acc.stats.update(w, vis, qm, sink_mass=sink)
         qm_full = qm if qm is not None else torch.ones(B, Tc, dtype=torch.bool, device=w.device)
         visx = vis.expand(B, H, Tc, Sc)
         real = visx.any(-1) & qm_full[:, None, :]  # (B, H, Tc): the real queries of metrics.py
-        keep = visx & real[..., None]
-        x = torch.where(keep, logits, 0.0)  # masked logits may be anything (-inf included): zero them
-        # float64 accumulation without a float64 copy of the block
-        acc.qk = _add(acc.qk, torch.stack([x.sum((0, 2, 3), dtype=torch.float64),
-                                           x.abs_().sum((0, 2, 3), dtype=torch.float64),
-                                           keep.sum((0, 2, 3)).double()]).cpu())
-        del x, keep
         if sink is not None:
             s = torch.where(real, sink, torch.zeros_like(sink)).double()
             acc.sink = _add(acc.sink, torch.stack([s.sum((0, 2)), real.sum((0, 2)).double()]).cpu())

@@ -2,12 +2,13 @@
 read from a training run's metrics JSONL file."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
+
+from ..text.read import json_lines
 
 __all__ = ["read_grad_norms", "grad_norm_stats", "spike_counts", "stats_from_file"]
 
@@ -31,24 +32,17 @@ def read_grad_norms(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     step, or a step line without a numeric grad_norm.
     """
     by_step: dict[int, float] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {lineno}: malformed JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{path}: line {lineno}: expected a JSON object, got {type(rec).__name__}")
-            if not _is_step_line(rec):
-                continue
-            step, norm = rec["step"], rec.get("grad_norm")
-            if isinstance(step, bool) or not isinstance(step, int):
-                raise ValueError(f"{path}: line {lineno}: 'step' must be an integer, got {step!r}")
-            if isinstance(norm, bool) or not isinstance(norm, (int, float)):
-                raise ValueError(f"{path}: line {lineno}: step line without a numeric 'grad_norm' (got {norm!r})")
-            by_step[step] = float(norm)
+    for lineno, rec in json_lines(path):
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}: line {lineno}: expected a JSON object, got {type(rec).__name__}")
+        if not _is_step_line(rec):
+            continue
+        step, norm = rec["step"], rec.get("grad_norm")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"{path}: line {lineno}: 'step' must be an integer, got {step!r}")
+        if isinstance(norm, bool) or not isinstance(norm, (int, float)):
+            raise ValueError(f"{path}: line {lineno}: step line without a numeric 'grad_norm' (got {norm!r})")
+        by_step[step] = float(norm)
     steps = np.array(sorted(by_step), dtype=np.int64)
     return steps, np.array([by_step[s] for s in steps], dtype=np.float64)
 

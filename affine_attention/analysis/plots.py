@@ -99,10 +99,31 @@ def _save(fig, path) -> Path:
     return path
 
 
+MARKERS_PER_LINE = 12  # long curves carry a few markers, so lines differ by shape as well as by colour
+
+
+def _histogram_data(values, name: str, bins: int, pad: float):
+    """(name -> finite 1-D values, all of them pooled, (lo, hi), shared bin edges (bins + 1,)); a constant range is
+    widened by `pad` on each side."""
+    _check_mapping(values, name)
+    data = {}
+    for k, v in values.items():
+        a = _np(v, f"{name}[{k!r}]").ravel()
+        data[k] = a[np.isfinite(a)]
+    allv = np.concatenate(list(data.values()))
+    lo, hi = (float(allv.min()), float(allv.max())) if allv.size else (0.0, 1.0)
+    if hi <= lo:
+        lo, hi = lo - pad, hi + pad
+    return data, allv, (lo, hi), np.linspace(lo, hi, bins + 1)
+
+
 def _plot_lines(ax, curves: dict, smooth: int = 1) -> None:
-    for name, (s, v) in curves.items():
+    for i, (name, (s, v)) in enumerate(curves.items()):
         st = style_for(name)
-        ax.plot(s, _smooth(v, smooth), color=st.color, linestyle=st.linestyle, label=st.label, linewidth=1.4)
+        # Offset each variant's markers a little so markers of overlapping lines do not sit on top of each other.
+        every = max(1, s.size // MARKERS_PER_LINE)
+        ax.plot(s, _smooth(v, smooth), color=st.color, linestyle=st.linestyle, label=st.label, linewidth=1.4,
+                marker=st.marker, markersize=4, markevery=(i * every // len(curves), every))
 
 
 def _zoom(ax, curves: dict, start: float, end: float, smooth: int, log: bool = False) -> None:
@@ -228,7 +249,7 @@ def plot_per_layer(values: Mapping[str, Sequence[float]], ylabel: str, title: st
     ax = axes[0][0]
     for name, v in data.items():
         st = style_for(name)
-        ax.plot(np.arange(v.size), v, color=st.color, linestyle=st.linestyle, marker="o", markersize=3.5,
+        ax.plot(np.arange(v.size), v, color=st.color, linestyle=st.linestyle, marker=st.marker, markersize=3.5,
                 label=st.label)
     ax.set_xlabel("layer index")
     ax.set_ylabel(ylabel)
@@ -280,16 +301,7 @@ def plot_mass_histograms(totals: Mapping[str, object], path, *, bins: int = 50,
     """
     from matplotlib import patheffects
 
-    _check_mapping(totals, "totals")
-    data = {}
-    for k, v in totals.items():
-        a = _np(v, f"totals[{k!r}]").ravel()
-        data[k] = a[np.isfinite(a)]
-    allv = np.concatenate(list(data.values()))
-    lo, hi = (float(allv.min()), float(allv.max())) if allv.size else (0.0, 1.0)
-    if hi <= lo:
-        lo, hi = lo - 0.5, hi + 0.5
-    edges = np.linspace(lo, hi, bins + 1)
+    data, allv, (lo, hi), edges = _histogram_data(totals, "totals", bins, pad=0.5)
     fig, axes = _panels(len(data), title)
     for ax, (name, a) in zip(axes, data.items()):
         st = style_for(name)
@@ -343,16 +355,7 @@ def plot_alpha_histograms(alphas: Mapping[str, object], path, *, bins: int = 50,
 
     alphas: name -> 1-D values (e.g. `metrics.alpha_distribution(...)["values"]`). The legend gives each mean.
     """
-    _check_mapping(alphas, "alphas")
-    data = {}
-    for k, v in alphas.items():
-        a = _np(v, f"alphas[{k!r}]").ravel()
-        data[k] = a[np.isfinite(a)]
-    allv = np.concatenate(list(data.values()))
-    lo, hi = (float(allv.min()), float(allv.max())) if allv.size else (0.0, 1.0)
-    if hi <= lo:
-        lo, hi = lo - 0.05, hi + 0.05
-    edges = np.linspace(lo, hi, bins + 1)
+    data, allv, (lo, hi), edges = _histogram_data(alphas, "alphas", bins, pad=0.05)
     fig, axes = _figure(1, 1, title, size=(6.4, 4.2))
     ax = axes[0][0]
     for name, a in data.items():

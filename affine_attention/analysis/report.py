@@ -11,19 +11,16 @@ from pathlib import Path
 import numpy as np
 
 from .._environment import hardware, versions
+from .._numbers import mean_std as _mean_std
+from ..text.read import json_lines
+from ..variants import REFERENCE as BASELINE
+from ..variants import REGISTRY, control_pairs
 from . import gradstats
 from .report_template import Figure, Heading, Para, Table, to_html, to_markdown
 
-__all__ = ["write_report", "load_run", "CONTROL_PAIRS"]
-
-# Which control isolates what, for each method (used only when both are in the run):
-#   affine_frozen: the same op with alpha frozen at its initial 0.5 -> what alpha's input dependence buys;
-#   scaled_softmax: softmax times the same constant 0.5 output scale that affine (alpha = 0.5) and the gate
-#   (sigmoid(0) = 0.5) start from -> what each method buys beyond a plain rescaling of the attention output.
-CONTROL_PAIRS = {"affine": ("affine_frozen", "scaled_softmax"), "affine_gated": ("scaled_softmax",),
-                 "gated": ("scaled_softmax",)}
-BASELINE = "softmax"
-METHODS = {"affine", "affine_gated"}  # the paper's proposals; every other non-control variant is a baseline
+__all__ = ["write_report", "load_run"]
+# Roles, control pairs (each variant's `controls`, used when both are in the run), what each control isolates and
+# the logged statistics come from the variant registry; a run may hold names no longer registered (read as baselines).
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -60,21 +57,14 @@ def _scalar(v) -> float | None:
 
 
 def _read_metrics(run: SeedRun) -> None:
-    with open(run.path / "metrics.jsonl", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise ValueError(f"{run.path / 'metrics.jsonl'}: line {n} is not valid JSON") from None
-            kind = rec.get("kind", "train")
-            if kind == "config":
-                run.header = rec
-            elif kind == "eval":
-                run.evals.append(rec)
-            elif kind == "train" and "step" in rec:
-                run.train.append(rec)
+    for _, rec in json_lines(run.path / "metrics.jsonl"):
+        kind = rec.get("kind", "train")
+        if kind == "config":
+            run.header = rec
+        elif kind == "eval":
+            run.evals.append(rec)
+        elif kind == "train" and "step" in rec:
+            run.train.append(rec)
 
 
 def load_run(run_dir: str | Path) -> tuple[dict, dict[str, list[SeedRun]]]:
@@ -104,13 +94,6 @@ def load_run(run_dir: str | Path) -> tuple[dict, dict[str, list[SeedRun]]]:
 # ---------------------------------------------------------------------------------------------------------------
 # numbers
 # ---------------------------------------------------------------------------------------------------------------
-def _mean_std(values) -> tuple[float | None, float | None, int]:
-    v = [float(x) for x in values if x is not None and math.isfinite(float(x))]
-    if not v:
-        return None, None, 0
-    return statistics.fmean(v), (statistics.stdev(v) if len(v) > 1 else None), len(v)
-
-
 def _fmt(values, fmt: str = "{:.4f}") -> str:
     """'mean ± sample std' over seeds ('mean' alone with one value, '-' with none); a '+' in fmt signs the mean."""
     m, s, _ = _mean_std(values)
@@ -119,13 +102,12 @@ def _fmt(values, fmt: str = "{:.4f}") -> str:
     return fmt.format(m) + (f" ± {fmt.replace('+', '').format(s)}" if s is not None else "")
 
 
-def _is_control(name: str) -> bool:
-    from ..variants import get_variant
+def _role(name: str) -> str:
+    return REGISTRY[name].role if name in REGISTRY else "baseline"
 
-    try:
-        return bool(getattr(get_variant(name), "control", False))
-    except ValueError:
-        return False
+
+def _is_control(name: str) -> bool:
+    return _role(name) == "control"
 
 
 def _final_train_loss(r: SeedRun) -> float | None:
@@ -238,14 +220,14 @@ def _table1(summary: dict, runs: dict[str, list[SeedRun]]) -> tuple[Table, dict]
                else (math.exp(h) if h is not None else None) for r, h in zip(rs, hl)]
         numbers[v] = {"final_train_loss": dict(zip([r.seed for r in rs], ftl)),
                       "heldout_loss": dict(zip([r.seed for r in rs], hl))}
-        row = [v, "control" if _is_control(v) else ("method" if v in METHODS else "baseline"),
+        row = [v, _role(v),
                "-" if over is None else f"{over:,}", _fmt(ftl), _fmt(hl), _fmt(ppl, "{:.2f}")]
         row += [_fmt(zs[v].get(t, []), "{:.1f}") for t in tasks]
         rows.append(row)
     n = sorted({len(rs) for rs in runs.values()})
     cap = (f"Mean ± sample std over {'/'.join(map(str, n))} seed(s) (no ± with one seed). Final train loss: mean over "
            "the last 5% of steps. Held-out loss: mean next-token cross-entropy at the last evaluation; "
-           "perplexity = exp(loss). Δparams: extra parameters against softmax.")
+           f"perplexity = exp(loss). Δparams: extra parameters against {BASELINE}.")
     if tasks:
         cap += " Zero-shot accuracy in %."
     return Table(header, rows, cap, "Table 1. Loss, perplexity" + (" and zero-shot accuracy" if tasks else "")), \
@@ -272,21 +254,18 @@ def _grad_table(runs: dict[str, list[SeedRun]], window: tuple[int, int], label: 
 
 
 def _control_table(numbers: dict) -> Table | None:
-    rows = []
-    for v, controls in CONTROL_PAIRS.items():
-        for c in controls:
-            if v not in numbers or c not in numbers:
-                continue
-            held, train = _paired(numbers, v, c, "heldout_loss"), _paired(numbers, v, c, "final_train_loss")
-            rows.append([f"{v} − {c}", str(len(held)), _fmt(held, "{:+.4f}"), _fmt(train, "{:+.4f}"),
-                         _verdict(held)])
+    rows, isolates = [], {}
+    for v, c in control_pairs(numbers):
+        held, train = _paired(numbers, v, c, "heldout_loss"), _paired(numbers, v, c, "final_train_loss")
+        rows.append([f"{v} − {c}", str(len(held)), _fmt(held, "{:+.4f}"), _fmt(train, "{:+.4f}"), _verdict(held)])
+        isolates[c] = REGISTRY[c].isolates
     if not rows:
         return None
+    reading = "; ".join(f"method − {c} isolates {what}" for c, what in isolates.items() if what)
     return Table(["method − control", "paired seeds", "Δ held-out loss", "Δ final train loss", "reading"], rows,
                  "Differences paired by seed (same initial weights and data order), mean ± sample std over seeds; "
                  "negative = the method has the lower loss. Reading: a direction only when |mean| > 2 x the paired std "
-                 "(a rough screen, not a significance test). affine − affine_frozen isolates the input dependence "
-                 "of α; method − scaled_softmax isolates what the method adds beyond a constant 0.5 output scale.",
+                 "(a rough screen, not a significance test)." + (f" {reading[0].upper()}{reading[1:]}." if reading else ""),
                  "Table 3. Methods against their controls")
 
 
@@ -335,7 +314,7 @@ def _honest(summary: dict, runs: dict, numbers: dict, grad: dict, window_label: 
             parts = [f"{v} {_fmt(d, '{:+.4f}')} ({_verdict(d, '')})" for v in numbers if v != BASELINE
                      if (d := _paired(numbers, v, BASELINE, "heldout_loss"))]
             if parts:
-                text += " Paired by seed against softmax (variant − softmax): " + "; ".join(parts) + "."
+                text += f" Paired by seed against {BASELINE} (variant − {BASELINE}): " + "; ".join(parts) + "."
         out.append(text)
     if BASELINE in grad and grad[BASELINE]:
         cv0 = _mean_std([p["cv"] for p in grad[BASELINE]])[0]
@@ -345,7 +324,7 @@ def _honest(summary: dict, runs: dict, numbers: dict, grad: dict, window_label: 
                 cv = _mean_std([p["cv"] for p in per])[0]
                 parts.append(f"{v} {cv:.3f} ({cv - cv0:+.3f})")
         if parts:
-            out.append(f"Gradient-norm CV, mean over seeds, with the difference to softmax: softmax {cv0:.3f}; " +
+            out.append(f"Gradient-norm CV, mean over seeds, with the difference to {BASELINE}: {BASELINE} {cv0:.3f}; " +
                        ", ".join(parts) + f"; window: {window_label}. The paper reports a lower CV for affine "
                        "(2.02 vs 2.19 at 1B); a short run at this scale gives a noisy estimate, so read these as a "
                        "check, not a replication.")
@@ -380,16 +359,14 @@ def _attention_records(runs: dict[str, list[SeedRun]], cfg: dict, sequences: int
 
 
 def _heldout_texts(cfg: dict) -> tuple[list[str], str]:
+    from ..text import documents
+
     src = cfg.get("data", {}).get("eval", {})
     if src.get("kind") == "files" and src.get("paths"):
-        from ..train.config import SourceConfig, from_dict
-        from ..train.data import documents
-
-        return list(documents(from_dict(SourceConfig, src))), "the run's held-out files"
-    from ..train.corpus import corpus_texts
-
+        return list(documents("files", paths=src["paths"], text_field=src.get("text_field", "text"))), \
+            "the run's held-out files"
     split = src.get("split", "validation") if src.get("kind", "corpus") == "corpus" else "validation"
-    return corpus_texts(split), f"the packaged corpus ({split} split)"
+    return list(documents("corpus", split=split)), f"the packaged corpus ({split} split)"
 
 
 ATTENTION_CAPTIONS = {
@@ -440,12 +417,23 @@ def _training_figures(runs: dict[str, list[SeedRun]], figdir: Path, kd: bool, gw
         figs.append(Figure(plots.plot_qk_logit(qk, figdir / "qk_logit.png"),
                            "Mean query-key logit (q·k × scale over visible keys, all layers and heads) on a fixed "
                            "probe batch during training, mean over seeds (paper Fig. 2)."))
-    am = {v: c for v, rs in runs.items() if (c := _mean_curve(rs, "alpha_mean")) is not None}
-    if am:
-        figs.append(Figure(plots.plot_qk_logit(am, figdir / "alpha_training.png", ylabel="mean α",
-                                               title="Mean α during training", smooth=smooth),
-                           "Mean α over layers, heads and tokens of each step's batch, mean over seeds."))
+    for key, label in _token_stats(runs).items():
+        curves = {v: c for v, rs in runs.items() if (c := _mean_curve(rs, f"{key}_mean")) is not None}
+        if curves:
+            figs.append(Figure(plots.plot_qk_logit(curves, figdir / f"{key}_training.png", ylabel=f"mean {label}",
+                                                   title=f"Mean {label} during training", smooth=smooth),
+                               f"Mean {label} over layers, heads and tokens of each step's batch, mean over seeds."))
     return figs
+
+
+def _token_stats(runs: dict[str, list[SeedRun]]) -> dict[str, str]:
+    """key -> label of the per-token statistics the run's variants declare (variant.token_stats), in run order."""
+    out: dict[str, str] = {}
+    for v in runs:
+        if v in REGISTRY:
+            for key, label in REGISTRY[v].token_stats.items():
+                out.setdefault(key, label)
+    return out
 
 
 def write_report(run_dir: str | Path, *, sequences: int = 4, length: int | None = None, attention: bool = True,
@@ -480,9 +468,9 @@ def write_report(run_dir: str | Path, *, sequences: int = 4, length: int | None 
                     Table(["item", "value"], _setup_rows(summary, runs), key_value=True), Heading("Results"), t1, t2]
     controls = [v for v in runs if _is_control(v)]
     if controls:
+        what = "; ".join(f"{c}: {REGISTRY[c].isolates}" for c in controls if REGISTRY[c].isolates)
         blocks.append(Para(f"Controls in this run: {', '.join(controls)}. They are not methods; they separate a "
-                           "method's gain from a plain output rescaling (scaled_softmax) or from alpha's input "
-                           "dependence (affine_frozen)."))
+                           "method's gain from something simpler" + (f" ({what})." if what else ".")))
     if t3 is not None:
         blocks.append(t3)
     blocks += [Heading("What this run shows and does not show")]

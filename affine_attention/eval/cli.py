@@ -27,8 +27,8 @@ def add_commands(subparsers) -> None:
             "(a pipeline check, not a benchmark)."
         ),
     )
-    parser.add_argument("--model", required=True, help="local model directory (config.json + weights)")
-    parser.add_argument("--tokenizer", help="local tokenizer directory (default: the model directory)")
+    parser.add_argument("--model", required=True, help="local model directory (config.json + weights), a .gguf file or smollm2")
+    parser.add_argument("--tokenizer", help="local tokenizer directory or .gguf file (default: the model)")
     parser.add_argument(
         "--tasks",
         help="comma-separated lm-eval task names; 'fixtures' = all offline fixture tasks, "
@@ -59,27 +59,17 @@ def _run(args) -> int:
 
     if not args.tasks and not args.ppl:
         raise ValueError("nothing to do: give --tasks (e.g. --tasks fixtures) and/or --ppl FILE")
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        raise ValueError(f"{args.model!r} is not a local model directory (no config.json)")
-    tokenizer_dir = Path(args.tokenizer) if args.tokenizer else model_dir
-    if not tokenizer_dir.is_dir():
-        raise ValueError(f"tokenizer directory {str(tokenizer_dir)!r} does not exist")
     if args.ppl and not Path(args.ppl).is_file():
         raise ValueError(f"--ppl file {args.ppl!r} does not exist")
 
     # Heavy imports here, not at module level: the command line imports every area's cli module.
-    import affine_attention  # noqa: F401  registers the variant classes so converted checkpoints load
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    from ..hf.load import load_model, load_tokenizer
     from .harness import evaluate, expand_tasks, format_table, write_results
     from .perplexity import perplexity
 
     tasks = expand_tasks(args.tasks) if args.tasks else []  # validate before the slow model load
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
-    if args.device:
-        model.to(args.device)
+    model = load_model(args.model, device=args.device)
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
 
     if tasks:
         results = evaluate(
@@ -93,7 +83,7 @@ def _run(args) -> int:
         )
     else:
         results = {"tasks": {}, "config": {}}
-    results["config"]["model"] = str(model_dir)
+    results["config"]["model"] = args.model
     if args.ppl:
         ppl = perplexity(
             model, tokenizer, args.ppl, seq_len=args.seq_len, stride=args.stride, batch_size=args.batch_size

@@ -26,59 +26,17 @@ documents (predicting "this document ends here"). Windows of ``seq_len`` tokens 
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 
-def _read_jsonl(path: Path, text_column: str) -> list[str]:
-    docs = []
-    with path.open(encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not valid JSON ({err})") from err
-            if not isinstance(row, dict) or not isinstance(row.get(text_column), str):
-                raise ValueError(f"{path}:{number}: expected an object with a string field {text_column!r}")
-            docs.append(row[text_column])
-    return docs
-
-
 def read_texts(texts: Any, text_column: str = "text") -> list[str]:
-    """Documents from a path (``.txt``: the whole file is one document; ``.jsonl``: one document per
-    line, field ``text_column``), a ``datasets.Dataset`` (column ``text_column``) or an iterable of str."""
-    if isinstance(texts, (str, Path)):
-        path = Path(texts)
-        if not path.is_file():
-            raise ValueError(
-                f"{str(texts)[:80]!r} is not a file; pass a path to a .txt or .jsonl file, "
-                "or a list of strings to score raw text"
-            )
-        if path.suffix == ".txt":
-            return [path.read_text(encoding="utf-8")]
-        if path.suffix == ".jsonl":
-            return _read_jsonl(path, text_column)
-        raise ValueError(f"unsupported text file {path}: expected .txt or .jsonl")
-    datasets = sys.modules.get("datasets")  # a Dataset can only exist if the library is imported
-    if datasets is not None:
-        if isinstance(texts, datasets.DatasetDict):
-            raise ValueError(f"got a DatasetDict with splits {list(texts)}; pass one split, e.g. ds['validation']")
-        if isinstance(texts, (datasets.Dataset, datasets.IterableDataset)):
-            columns = texts.column_names
-            if columns is not None and text_column not in columns:
-                raise ValueError(f"the dataset has no column {text_column!r} (columns: {columns}); set text_column")
-            texts = (row[text_column] for row in texts)
-    docs = list(texts)
-    for index, doc in enumerate(docs):
-        if not isinstance(doc, str):
-            raise ValueError(f"document {index} is {type(doc).__name__}, expected str")
-    return docs
+    """Documents from a path, a ``datasets`` split or an iterable of str (see `affine_attention.text.read_documents`)."""
+    from ..text import read_documents
+
+    return read_documents(texts, text_column)
 
 
 def _windows(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:

@@ -25,11 +25,13 @@ from transformers.masking_utils import (  # noqa: E402
 from transformers.utils import is_tracing  # noqa: E402
 
 from . import cache as value_cache  # noqa: E402
+from . import packing  # noqa: E402
 
 ATTN_IMPLEMENTATION = "affine_attention"
 # Keyword arguments the attention module's pre-hook adds; transformers forwards them to `attention_forward`.
 X_KWARG = "affine_attention_x"
 CACHE_KWARG = "affine_attention_cache"
+TRUSTED_KWARG = "affine_attention_cache_trusted"
 
 
 def capture_attention_input(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
@@ -45,8 +47,7 @@ def capture_attention_input(module: nn.Module, args: tuple, kwargs: dict[str, An
     kwargs = dict(kwargs)
     kwargs[X_KWARG] = x
     kwargs[CACHE_KWARG] = cache
-    if cache is not None:
-        value_cache.before_update(cache, module.layer_idx)
+    kwargs[TRUSTED_KWARG] = cache is not None and value_cache.before_update(cache, module.layer_idx)
     return args, kwargs
 
 
@@ -78,6 +79,30 @@ def _variant_mask(mask: Tensor | None, B: int, T: int, S: int, training: bool):
     return mask, False, token_mask
 
 
+# Every layer of one model forward receives the same mask object (one per layer type): the first layer parses it,
+# the others reuse that. Eager only (a compiled graph parses once at trace time anyway); only structured
+# (B|1, 1, 1, S) masks, whose parse is a function of the object's shape and dtype plus views of it, so a memo
+# entry can never go stale; strong references to at most _MEMO_SIZE small masks, replaced as new ones come.
+_MASK_MEMO: list[tuple[Tensor, tuple, tuple]] = []
+_MEMO_SIZE = 4  # mask objects per forward: one per layer type (full, sliding), with room for two forwards
+
+
+def _parsed_mask(mask: Tensor | None, B: int, T: int, S: int, training: bool):
+    """`_variant_mask`, computed once per mask object and shape (the decode hot path: once per model forward)."""
+    if mask is None:
+        return None, True, None
+    if torch.compiler.is_compiling() or not isinstance(mask, Tensor) or mask.dim() != 4 or mask.shape[-2] != 1:
+        return _variant_mask(mask, B, T, S, training)
+    key = (B, T, S, training)
+    for m, k, parsed in _MASK_MEMO:
+        if m is mask and k == key:
+            return parsed
+    parsed = _variant_mask(mask, B, T, S, training)
+    _MASK_MEMO.insert(0, (mask, key, parsed))
+    del _MASK_MEMO[_MEMO_SIZE:]
+    return parsed
+
+
 def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                       dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
                       **kwargs) -> tuple[Tensor, None]:
@@ -106,15 +131,23 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     T, S = query.shape[-2], key.shape[-2]
-    mask, is_causal, token_mask = _variant_mask(attention_mask, query.shape[0], T, S, variant.training)
+    mask, is_causal, token_mask = _parsed_mask(attention_mask, query.shape[0], T, S, variant.training)
+    # Packed rows (see packing.py) and sliding windows stay structured: the variants get document ids / a window
+    # instead of a dense (T, S) mask, so their fast paths run.
+    document_ids = kwargs.get(packing.DOCS_KWARG)
+    window = sliding_window if is_causal else None
+    if sliding_window is not None and not is_causal:
+        raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: a sliding window ({sliding_window}) with a "
+                         "dense attention mask; pass the mask transformers builds for the model")
     v_mean = None
     cache = kwargs.get(CACHE_KWARG)
-    if cache is not None and variant.uses_value_mean and sliding_window is None and is_causal:
+    if cache is not None and variant.uses_value_mean and window is None and is_causal:
         keys = None if mask is None else mask[:, 0, 0, :]  # (B|1, S)
         v_mean = value_cache.value_mean(cache, module.layer_idx, value, keys, T,
-                                        getattr(variant.options, "bias_norm", "visible"))
-    out = variant(query, key, value, x, attn_mask=mask, is_causal=is_causal, scale=scaling, token_mask=token_mask,
-                  v_mean=v_mean)
+                                        getattr(variant.options, "bias_norm", "visible"),
+                                        kwargs.get(TRUSTED_KWARG, False))
+    out = variant(query, key, value, x, attn_mask=mask, is_causal=is_causal, window=window,
+                  document_ids=document_ids, scale=scaling, token_mask=token_mask, v_mean=v_mean)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -127,13 +160,13 @@ def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
     The structured forms need the last query aligned with the last key (q_offset + T == kv_offset + S, true for
     dynamic caches and training) and a plain causal pattern: transformers signals pattern changes (packing, extra
     mask functions) with allow_is_causal_skip=False, as its own SDPA skip logic relies on. A sliding window
-    counts as plain when it hides nothing (every key lies inside the last query's window).
+    counts as plain (the variants get it as `window`).
     """
     aligned = (isinstance(q_offset, int) and isinstance(kv_offset, int)
                and q_offset + q_length == kv_offset + kv_length)
-    plain = allow_is_causal_skip and aligned and (
-        (local_size is None and mask_function is causal_mask_function)
-        or (local_size is not None and kv_length <= local_size))
+    # A sliding window is plain too: the attention function receives it as `sliding_window` and hands the
+    # variants `window=`, so only its padding part needs a mask here.
+    plain = allow_is_causal_skip and aligned and (local_size is not None or mask_function is causal_mask_function)
     if not plain:
         kwargs.pop("allow_is_bidirectional_skip", None)
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,

@@ -1,34 +1,23 @@
 """Running float32 sum of the visible values per cache layer, so each decoding step of the affine variant costs
 O(D) for the mean of V instead of re-summing the whole cache.
 
-The state lives beside the transformers cache (a weak dictionary keyed by the cache layer object), never inside
-it. It is trusted only while the layer still holds the exact `values` tensor it summed: every cache operation
-(append, beam reorder, crop, batch repeat or select, reset, offload) replaces that tensor, so any of them makes
-the next step rebuild the sum from the cache, exactly, instead of silently using a stale one. Only plain
-`DynamicLayer`s get a running sum; other layer kinds (static, sliding window, quantized) are averaged from the
-cache by the op itself, which is exact.
+The state lives on the transformers cache layer object itself (attributes `_affine_vsum`, `_affine_vcount`,
+`_affine_keys`, `_affine_vsrc`), so torch.compile traces it like the cache's own tensors: no
+`torch.compiler.disable`, no side table. It is trusted only while the layer still holds the exact `values` tensor
+it summed: every cache operation (append, beam reorder, crop, batch repeat or select, reset, offload) replaces that
+tensor, so any of them makes the next step rebuild the sum from the cache, exactly, instead of silently using a
+stale one. Only plain `DynamicLayer`s get a running sum. Static layers are written in place (so identity cannot
+tell a crop or reset) and decode under a (B, 1, 1, max_cache_len) key mask: for them the op averages the cache
+itself, exactly and statelessly, which also compiles (fixed shapes). Sliding-window and quantized layers likewise.
 """
 from __future__ import annotations
-
-import weakref
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .._compat import float_acc
 
-
-@dataclass
-class _ValueSum:
-    total: Tensor  # (B, Hkv, 1, D) float32: sum of the visible values of the cached positions
-    count: Tensor  # (B|1, 1, 1, 1) float32: number of visible cached positions
-    keys: Tensor | None  # (B|1, S) bool key mask the sum was taken under; None = every key visible
-    values: weakref.ref  # the layer's `values` tensor right after the step that produced this sum
-    trusted: bool = False  # set by the attention pre-hook when the layer still holds exactly `values`
-
-
-_STATES: "weakref.WeakKeyDictionary[object, _ValueSum]" = weakref.WeakKeyDictionary()
+_SUM, _COUNT, _KEYS, _SRC = "_affine_vsum", "_affine_vcount", "_affine_keys", "_affine_vsrc"
 
 
 def _layer(cache, layer_idx: int):
@@ -38,20 +27,40 @@ def _layer(cache, layer_idx: int):
     return layers[layer_idx]
 
 
-@torch.compiler.disable
-def before_update(cache, layer_idx: int) -> None:
-    """Called before the attention layer appends to the cache: trust the sum only if nothing replaced the values."""
+def before_update(cache, layer_idx: int) -> bool:
+    """Called before the attention layer appends to the cache: whether the layer still holds exactly the values
+    its running sum was taken from (nothing replaced them since). Pure: the answer travels as an argument."""
     layer = _layer(cache, layer_idx)
-    state = _STATES.get(layer) if layer is not None else None
-    if state is not None:
-        state.trusted = state.values() is not None and state.values() is getattr(layer, "values", None)
+    src = getattr(layer, _SRC, None)
+    return src is not None and src is getattr(layer, "values", None)
 
 
 def _same_keys(old: Tensor | None, new: Tensor | None, P: int) -> bool:
-    """Whether the cached positions had the same visibility when they were summed (masks may change between calls)."""
+    """Whether the cached positions had the same visibility when they were summed (masks may change between calls).
+
+    Shapes decide at trace time. Values: eager compares them (one comparison per model forward: every layer asks
+    about the same pair of mask objects, see _KEYS_MEMO); a compiled graph cannot branch on them, so it asserts
+    them on the device instead (a changed padding of cached positions fails loudly there, never silently)."""
     if old is None or new is None:
         return old is None and new is None
-    return old.shape[0] == new.shape[0] and old.shape[-1] == P and torch.equal(old, new[:, :P])
+    if old.shape[0] != new.shape[0] or old.shape[-1] != P:
+        return False
+    if torch.compiler.is_compiling():
+        torch._assert_async(torch.eq(old, new[:, :P]).all(),
+                            "affine_attention: the attention mask of already cached positions changed between "
+                            "decoding steps of a compiled model; pass the same mask prefix (as generate does)")
+        return True
+    memo = _KEYS_MEMO
+    if memo and memo[0] is old and memo[1] is new:
+        return memo[2]
+    same = torch.equal(old, new[:, :P])
+    _KEYS_MEMO[:] = [old, new, same]
+    return same
+
+
+# (old mask, new mask, equal?) of the last eager comparison. Strong references to two small (B, S) bool masks,
+# replaced at the next forward; identity (not id()) so a recycled address can never match.
+_KEYS_MEMO: list = []
 
 
 def _sum_cached(past: Tensor, km: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -64,13 +73,14 @@ def _sum_cached(past: Tensor, km: Tensor | None) -> tuple[Tensor, Tensor]:
     return (past * km).sum(-2, keepdim=True), km.sum(-2, keepdim=True)
 
 
-@torch.compiler.disable
-def value_mean(cache, layer_idx: int, value: Tensor, keys: Tensor | None, T: int, bias_norm: str) -> Tensor | None:
+def value_mean(cache, layer_idx: int, value: Tensor, keys: Tensor | None, T: int, bias_norm: str,
+               trusted: bool) -> Tensor | None:
     """Mean of the visible values for the last T queries, or None when the op should average the cache itself.
 
     value: (B, Hkv, S, D), the layer's whole cache after this step's update; keys: (B|1, S) bool key mask or None
-    (causal rule on top, bottom-right aligned: query i sees cache positions <= S - T + i). Returns (B, Hkv, T, D)
-    float32 following `bias_norm` ("visible": divide by the visible count; "full": by S).
+    (causal rule on top, bottom-right aligned: query i sees cache positions <= S - T + i); trusted: what
+    `before_update` said. Returns (B, Hkv, T, D) float32 following `bias_norm` ("visible": divide by the visible
+    count; "full": by S).
     """
     from transformers.cache_utils import DynamicLayer  # not at import: see _autoload
 
@@ -82,21 +92,30 @@ def value_mean(cache, layer_idx: int, value: Tensor, keys: Tensor | None, T: int
     acc = float_acc(value.dtype)
     B, Hkv, S, D = value.shape
     P = S - T
-    km = None if keys is None else keys.to(acc)[:, None, :, None]  # (B|1, 1, S, 1)
-    state = _STATES.get(layer)
-    if state is not None and state.trusted and state.total.shape[0] == B and _same_keys(state.keys, keys, P):
-        base_total, base_count = state.total, state.count
+    total = getattr(layer, _SUM, None)
+    if trusted and total is not None and total.shape[0] == B and _same_keys(getattr(layer, _KEYS), keys, P):
+        base_total, base_count = total, getattr(layer, _COUNT)
     else:  # first step, or the cache changed under us: rebuild from the cache (exact, O(S * D) once)
-        base_total, base_count = _sum_cached(value[:, :, :P], None if km is None else km[:, :, :P])
+        km = None if keys is None else keys[:, None, :P, None].to(acc)  # (B|1, 1, P, 1)
+        base_total, base_count = _sum_cached(value[:, :, :P], km)
     new = value[:, :, P:].to(acc)  # (B, Hkv, T, D)
-    if km is not None:
-        new = new * km[:, :, P:]
-        new_count = km[:, :, P:].cumsum(-2)  # (B|1, 1, T, 1)
+    if T == 1:  # the decode hot path: O(D), two small ops
+        if keys is None:
+            total, count = base_total + new, base_count + 1.0
+        else:
+            last = keys[:, None, P:, None].to(acc)  # (B|1, 1, 1, 1)
+            total, count = torch.addcmul(base_total, new, last), base_count + last
     else:
-        new_count = torch.arange(1, T + 1, dtype=acc, device=value.device)[None, None, :, None]
-    total = base_total + new.cumsum(-2)  # (B, Hkv, T, D): query i sees every cached position up to P + i
-    count = base_count + new_count
-    _STATES[layer] = _ValueSum(total[:, :, -1:].detach(), count[:, :, -1:].detach(),
-                               None if keys is None else keys, weakref.ref(layer.values))
+        if keys is None:
+            new_count = torch.arange(1, T + 1, dtype=acc, device=value.device)[None, None, :, None]
+        else:
+            km = keys[:, None, P:, None].to(acc)  # (B|1, 1, T, 1)
+            new, new_count = new * km, km.cumsum(-2)
+        total = base_total + new.cumsum(-2)  # (B, Hkv, T, D): query i sees every cached position up to P + i
+        count = base_count + new_count
+    setattr(layer, _SUM, total[:, :, -1:].detach())
+    setattr(layer, _COUNT, count[:, :, -1:].detach())
+    setattr(layer, _KEYS, keys)
+    setattr(layer, _SRC, layer.values)
     denom = count if bias_norm == "visible" else torch.full_like(count, float(S))
     return total / denom.clamp(min=1)

@@ -9,11 +9,18 @@ from torch import nn
 
 from . import models
 from .attention import ATTN_IMPLEMENTATION
-from .layers import CONFIG_KEY, attach_variants, make_spec
+from ..variants import build_variant
+from .layers import CONFIG_KEY, VARIANT_ATTR, attach_variants, attention_layers, layer_shape, make_spec
 
 
-def convert(model: nn.Module, variant: str, **options) -> nn.Module:
+def convert(model: nn.Module, variant: str, *, function_preserving: bool = False, **options) -> nn.Module:
     """Convert a transformers Llama / Qwen2 / Qwen3 / Mistral causal LM in place to an attention variant.
+
+    function_preserving=True (a retrofit, for continued training of a pretrained model): the converted model computes
+    what it computed before and every new parameter still receives gradient. Each variant starts in a state whose
+    output is a constant c times softmax attention (affine: alpha_ma = phi(0), c = 0.5; gated: c = 0.5; both:
+    0.25; scaled_softmax: its scale; sink: a logit of -20, a negligible mass, c = 1) and 1 / c is folded into
+    `o_proj`. Keep the default False for from-scratch comparisons, which follow the paper's initialisation.
 
     Every existing weight keeps its name; the variant's parameters appear as
     `model.layers.<i>.self_attn.attn_variant.<name>` (alpha_proj.weight, gate_proj.weight, sinks; buffer alpha_ma).
@@ -27,9 +34,17 @@ def convert(model: nn.Module, variant: str, **options) -> nn.Module:
     if getattr(model.config, "attention_dropout", 0.0):
         raise ValueError(f"attention dropout ({model.config.attention_dropout}) is not supported by affine_attention "
                          "variants; set `model.config.attention_dropout = 0.0` first")
+    if not isinstance(function_preserving, bool):
+        raise ValueError(f"function_preserving must be True or False, got {function_preserving!r}")
     config_cls, model_cls = models.affine_classes(family)
+    if function_preserving:
+        # A variant that cannot preserve the function says so before anything is attached.
+        build_variant(variant, layer_shape(model.config, attention_layers(model)[0]), **spec["options"]).retrofit()
+        spec["retrofit"] = {"function_preserving": True}
     with torch.no_grad():
         attach_variants(model, spec)
+        if function_preserving:
+            spec["retrofit"]["o_proj_scale"] = _fold_output_scale(model)
     _give_own_config(model)
     setattr(model.config, CONFIG_KEY, spec)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -49,3 +64,16 @@ def _give_own_config(model: nn.Module) -> None:
     for module in model.modules():
         if getattr(module, "config", None) is old:
             module.config = new
+
+
+def _fold_output_scale(model: nn.Module) -> float:
+    """Put every new variant module into its function-preserving state; fold 1 / c into each o_proj. Returns 1 / c."""
+    factors = set()
+    for attn in attention_layers(model):
+        c = getattr(attn, VARIANT_ATTR).retrofit()
+        if c != 1.0:
+            # Only the weight: an o_proj bias is added after the projection and stays as it was.
+            attn.o_proj.weight.mul_(1.0 / c)
+        factors.add(1.0 / c)
+    (factor,) = factors  # one variant for every layer, so one factor
+    return factor

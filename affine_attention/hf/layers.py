@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from ..variants import AttentionShape, build_variant, options_to_dict, parse_options, variant_names
+from . import packing
 from .attention import capture_attention_input
 
 CONFIG_KEY = "affine_attention"  # config.affine_attention = {"variant": name, "options": {...}}
@@ -44,6 +45,12 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
     return [layer.self_attn for layer in layers]
 
 
+def layer_shape(config, attn: nn.Module) -> AttentionShape:
+    """The sizes of one attention layer of a transformers model."""
+    head_dim = getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return AttentionShape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim)
+
+
 def attach_variants(model: nn.Module, spec: Mapping[str, Any]) -> None:
     """Give every attention layer an `attn_variant` module and the pre-hook that captures its input x."""
     config = model.config
@@ -51,15 +58,24 @@ def attach_variants(model: nn.Module, spec: Mapping[str, Any]) -> None:
         if hasattr(attn, VARIANT_ATTR):
             raise ValueError(f"layer {attn.layer_idx} already has an attention variant "
                              f"({getattr(attn, VARIANT_ATTR).name!r}); convert an unconverted model")
-        head_dim = getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = AttentionShape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim)
-        variant = build_variant(spec["variant"], shape, **spec["options"])
+        variant = build_variant(spec["variant"], layer_shape(config, attn), **spec["options"])
         ref = attn.q_proj.weight
         # New parameters follow the layer's device and dtype (meta while transformers builds the model to load).
         variant.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
         variant.train(attn.training)  # an eval-mode model must not start updating alpha_ma
         attn.add_module(VARIANT_ATTR, variant)
         setattr(attn, _HOOK_ATTR, attn.register_forward_pre_hook(capture_attention_input, with_kwargs=True))
+    packing.attach(model)
+    _keep_accumulators_local(model)
+
+
+def _keep_accumulators_local(model: nn.Module) -> None:
+    """DDP broadcasts rank 0's buffers before every forward by default (transformers' Trainer keeps that
+    default): it would overwrite each rank's running-statistics accumulator between micro-batches. DDP skips the
+    names listed here on the module it wraps (the causal LM); alpha_ma itself is equal on every rank anyway."""
+    names = [n for n, _ in model.named_buffers() if n.endswith(".alpha_acc")]
+    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    model._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]
 
 
 def variant_spec(model: nn.Module) -> dict[str, Any] | None:

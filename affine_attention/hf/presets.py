@@ -18,6 +18,14 @@ def _tiny(model_type: str, **extra) -> dict[str, Any]:
             "tie_word_embeddings": False, **extra}
 
 
+def _llama32(**sizes) -> dict[str, Any]:
+    """The Llama 3.2 family: GQA with 8 KV heads, Llama 3 RoPE, tied embeddings; `sizes` set the rest."""
+    return {"model_type": "llama", "intermediate_size": 8192, "num_key_value_heads": 8, "vocab_size": 128256,
+            "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "rope_scaling": dict(_LLAMA3_ROPE), "tie_word_embeddings": True, "hidden_act": "silu",
+            "bos_token_id": 128000, "eos_token_id": 128001, **sizes}
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Qwen1.5-0.5B (the paper's 0.5B student): Qwen2 architecture, MHA, q/k/v biases, tied embeddings.
     "qwen1.5-0.5b": {
@@ -26,20 +34,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
         "use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 21, "hidden_act": "silu",
         "bos_token_id": 151643, "eos_token_id": 151643},
-    # Llama-3.2-1B (the paper's 1B student).
-    "llama-3.2-1b": {
-        "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
-        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "rope_scaling": dict(_LLAMA3_ROPE), "tie_word_embeddings": True, "hidden_act": "silu",
-        "bos_token_id": 128000, "eos_token_id": 128001},
-    # Llama-3.2-3B (the paper's 3B student).
-    "llama-3.2-3b": {
-        "model_type": "llama", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
-        "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
-        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "rope_scaling": dict(_LLAMA3_ROPE), "tie_word_embeddings": True, "hidden_act": "silu",
-        "bos_token_id": 128000, "eos_token_id": 128001},
+    # Llama-3.2-1B and Llama-3.2-3B (the paper's 1B and 3B students).
+    "llama-3.2-1b": _llama32(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, head_dim=64),
+    "llama-3.2-3b": _llama32(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128),
     # SmolLM2-135M (the offline real model's shape; Llama architecture).
     "smollm2-135m": {
         "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,

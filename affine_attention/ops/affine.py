@@ -71,6 +71,10 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
     out, _ = kernel_attention(q, k, v, mask, scale, sinks=sinks, backend=backend)
     if alpha is None:
         return epilogue(out, gate=gate, impl=epilogue_impl)
-    mean = None if v_mean is not None else ValueMean(mask, Hq, bias_norm)
-    return epilogue(out, alpha=alpha, alpha_ma=alpha_ma, v_mean=v_mean, v=None if v_mean is not None else v,
-                    mean=mean, gate=gate, impl=epilogue_impl)
+    if v_mean is None:
+        mean = ValueMean(mask, Hq, bias_norm)
+        if mean.has_transpose:
+            # Prefix-sum masks: the epilogue recomputes the mean from v in backward instead of saving it.
+            return epilogue(out, alpha=alpha, alpha_ma=alpha_ma, v=v, mean=mean, gate=gate, impl=epilogue_impl)
+        v_mean = mean(v)  # other masks: differentiated by autograd, kept for backward
+    return epilogue(out, alpha=alpha, alpha_ma=alpha_ma, v_mean=v_mean, gate=gate, impl=epilogue_impl)

@@ -3,9 +3,9 @@
 O is a softmax kernel's output, m the mean of visible V (affine's bias term), a = alpha, g an output gate or a
 per-head scale; every part is optional. One autograd.Function serves affine, gated, affine_gated and
 scaled_softmax (the sink lives in the kernel, see backends/base.py). It saves only tensors other nodes hold anyway
-(O, V, alpha, the gate): the mean of V is recomputed in backward instead of being saved. On CUDA the combine runs
-as one Triton kernel (epilogue_triton.py); on CPU as a few in-place eager passes. The choice is explicit:
-`impl=` or `use_epilogue(...)` forces one, and a forced implementation that cannot run raises.
+(O, V, alpha, the gate): for prefix-sum masks the mean of V is recomputed in backward instead of being saved. On
+CUDA the combine runs as one Triton kernel (epilogue_triton.py); on CPU as a few in-place eager passes. The choice
+is explicit: `impl=` or `use_epilogue(...)` forces one, and a forced implementation that cannot run raises.
 """
 from __future__ import annotations
 
@@ -124,6 +124,9 @@ def epilogue(out: Tensor, *, alpha: Tensor | None = None, alpha_ma: Tensor | Non
         if (v_mean is None) == (v is None) or (v is not None and not isinstance(mean, ValueMean)):
             raise ValueError("the affine epilogue needs the mean of visible V: pass exactly one of v_mean "
                              "(B, Hkv, T|1, D) or v (B, Hkv, S, D) together with mean=ValueMean(...)")
+        if v is not None and not mean.has_transpose:
+            raise ValueError("v with mean= recomputes the mean in backward only for prefix-sum masks (none, causal "
+                             "with T <= S, key padding); for this mask pass v_mean=mean(v) (autograd keeps it)")
         if v_mean is not None:
             _check_affine(out, alpha, alpha_ma, tuple(v_mean.shape))
     name = select_impl(out.device, impl)
@@ -138,7 +141,8 @@ def _kernels(name: str):
 
 
 class _Epilogue(torch.autograd.Function):
-    """Forward through one implementation; backward recomputes m from v (when given so) and calls the same one."""
+    """Forward through one implementation; backward recomputes m from v (when given so), calls the same one, and
+    maps d m to d v through the mean's hand-written transpose."""
 
     @staticmethod
     def forward(ctx, name, out, alpha, alpha_ma, gate, v_mean, v, mean):
@@ -157,22 +161,20 @@ class _Epilogue(torch.autograd.Function):
         need = ctx.needs_input_grad
         need_dv = v is not None and need[6]
         mean = ctx.mean
-        m, denom, m_graph, vv = v_mean, None, None, None
-        if v is not None and mean.has_transpose:
+        m, denom = v_mean, None
+        if v is not None:
             m, denom = mean.value(v)  # a fresh buffer the backward may overwrite once done reading it
-        elif v is not None:
-            with torch.enable_grad():
-                vv = v.detach().requires_grad_(need_dv)
-                m_graph = mean(vv)
-            m = m_graph.detach()
         d_out, d_alpha, d_alpha_ma, d_gate, d_m = _kernels(ctx.name).backward(
             grad, out, alpha, alpha_ma, m, gate, need_alpha=need[2], need_alpha_ma=need[3], need_gate=need[4],
             need_m=need[5] or need_dv, m_scratch=denom is not None)
-        d_v = None
-        if need_dv:
-            d_v = mean.transpose(d_m, denom, v) if m_graph is None else torch.autograd.grad(m_graph, vv, d_m)[0]
+        d_v = mean.transpose(d_m, denom, v) if need_dv else None
         return (None, d_out if need[1] else None, d_alpha, d_alpha_ma, d_gate, d_m if need[5] else None, d_v,
                 None)
+
+
+def _into(op, x: Tensor, y: Tensor, buf: Tensor | None) -> Tensor:
+    """op(x, y) written into buf when given (a buffer the caller owns), else into a fresh tensor."""
+    return op(x, y) if buf is None else op(x, y, out=buf)
 
 
 class _eager:
@@ -240,8 +242,10 @@ class _eager:
         d_out_acc = torch.mul(dy5, a)
         d_out = d_out_acc.to(out.dtype).view(B, Hq, T, D)
         # Fresh (B, Hm, T, D) acc buffers this function may overwrite: the float32 d out (a copy was made), m.
-        free = [d_out_acc.view(B, Hq, T, D)] if d_out.data_ptr() != d_out_acc.data_ptr() and G == 1 else []
-        m_owned = m_scratch and m.shape[2] == T and m.dtype == acc
+        # Buffer reuse only in eager mode: a compiled graph plans its own memory (and refuses most `out=`).
+        eager = not torch.compiler.is_compiling()
+        free = [d_out_acc.view(B, Hq, T, D)] if eager and out.dtype != acc and G == 1 else []  # .to copied it
+        m_owned = eager and m_scratch and m.shape[2] == T and m.dtype == acc
         if need_alpha_ma:
             d_alpha_ma = torch.mul(dy5, m5).sum((0, 3, 4)).reshape(Hq).to(alpha_ma.dtype)
         if need_alpha:
@@ -250,20 +254,20 @@ class _eager:
             for g in range(G):
                 if g == G - 1 and m_owned:
                     # d alpha = dy . (out - m) = -(dy . (m - out)), computed in m's own buffer.
-                    torch.sum(m.sub_(out5[:, :, g]).mul_(dy5[:, :, g]), -1, out=d_alpha[:, :, g]).neg_()
+                    d_alpha[:, :, g] = m.sub_(out5[:, :, g]).mul_(dy5[:, :, g]).sum(-1).neg_()
                     m_owned = False
                     free.append(m)
                 else:
-                    scratch = torch.sub(out5[:, :, g], m5[:, :, 0], out=scratch).mul_(dy5[:, :, g])
-                    torch.sum(scratch, -1, out=d_alpha[:, :, g])
-            if scratch is not None:
+                    scratch = _into(torch.sub, out5[:, :, g], m5[:, :, 0], scratch if eager else None).mul_(dy5[:, :, g])
+                    d_alpha[:, :, g] = scratch.sum(-1)
+            if eager and scratch is not None:
                 free.append(scratch)
             d_alpha = d_alpha.view(B, Hq, T).to(alpha.dtype)
         if need_m:
             # d m = sum over the group of (alpha_ma - a) * dy, then over T for a (B, Hm, 1, D) mean.
             if m_owned:
                 free.append(m)
-            d_m = torch.mul(dy5[:, :, 0], b[:, :, 0], out=free.pop() if free else None)
+            d_m = _into(torch.mul, dy5[:, :, 0], b[:, :, 0], free.pop() if free else None)
             for g in range(1, G):
                 d_m.addcmul_(dy5[:, :, g], b[:, :, g])
             d_m = d_m.sum_to_size(m.shape).to(m.dtype)

@@ -143,7 +143,7 @@ def parse_mask(attn_mask: Tensor | None, is_causal: bool, B: int, Hq: int, T: in
                          f"got shape {tuple(attn_mask.shape)}")
     m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     for size, want, name in zip(m.shape, (B, Hq, T, S), ("B", "Hq", "T", "S")):
-        if size not in (1, want):
+        if size != 1 and size != want:  # not `in (1, want)`: dynamo misreads `in` on SymInts
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, Hq, T, S) = "
                              f"{(B, Hq, T, S)}: its {name} dimension is {size}, expected 1 or {want}")
     if m.device != device:

@@ -1,5 +1,6 @@
 """The mean of visible V as the epilogue uses it: computed from v in forward and again in backward (never saved),
-with its transpose (d m -> d v) written out for the prefix-sum masks, in place, so backward allocates only d v.
+with its transpose (d m -> d v) written out for the prefix-sum masks, in place, so backward allocates only d v;
+for other masks (window, documents, dense) the op differentiates the mean with autograd and the epilogue saves it.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ class ValueMean:
         with torch.no_grad():
             total, count = visible_sum_and_count(v, self.mask, self.Hq)
             denom = self._denominator(count)
-            if total.untyped_storage().data_ptr() == v.untyped_storage().data_ptr():
+            # Compiled graphs fuse the division anyway (and cannot inspect storage).
+            if torch.compiler.is_compiling() or total.untyped_storage().data_ptr() == v.untyped_storage().data_ptr():
                 return total / denom, denom
             return total.div_(denom), denom
 
@@ -64,7 +66,7 @@ class ValueMean:
             total = x.sum(-2, keepdim=True)  # (B, Hkv, 1, D): what every key up to the first query's last sees
             # Key j > off is seen by queries i >= j - off: the total less the prefix over the queries before. In
             # place, then copied into dv (in v's dtype) shifted by one row: no further buffer.
-            rest = torch.sub(total, x.cumsum_(-2), out=x)
+            rest = x.cumsum_(-2).neg_().add_(total)
             dv[:, :, :off + 1].copy_(total.expand(B, Hkv, off + 1, D))
             dv[:, :, off + 1:].copy_(rest[:, :, :T - 1])
         if mk.keys is not None:

@@ -1,4 +1,6 @@
-"""`affine-attention train` and `affine-attention compare`; heavy imports happen inside the handlers."""
+"""`affine-attention train`, and the training half of `affine-attention compare` (the command itself lives in
+affine_attention/cli.py, which also writes the report: train never imports analysis); heavy imports happen inside
+the handlers."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +9,8 @@ import sys
 import time
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """--config, --set, --out and --resume: shared by train and compare."""
     p.add_argument("--config", default="tiny", help="preset name (tiny, kd-smollm2, paper-0.5b, paper-1b, "
                    "paper-3b) or a TOML file; default: tiny")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -19,21 +22,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 def add_commands(subparsers) -> None:
     p = subparsers.add_parser("train", help="train (or distil) a causal LM with one attention variant",
                               description="Train one variant; under torchrun uses DDP or FSDP2 (train.parallel).")
-    _common(p)
+    add_run_options(p)
     p.add_argument("--dry-run", action="store_true", help="print parameter counts, tokens per step and a memory "
                    "estimate; no data, no network")
     p.add_argument("--world", type=int, default=None, help="--dry-run: number of GPUs to estimate for "
                    "(default: $WORLD_SIZE or 1)")
     p.set_defaults(func=_train)
-    c = subparsers.add_parser("compare", help="train every variant from the same start and summarise",
-                              description="Train each variant of [compare].variants with the same seed, initial "
-                              "weights and data order; write summary.json and summary.md. With no arguments runs "
-                              "the tiny preset offline.")
-    _common(c)
-    c.add_argument("--seeds", type=int, default=None, help="number of seeds (default: compare.seeds)")
-    c.add_argument("--no-report", dest="report", action="store_false",
-                   help="skip report.md / report.html (regenerate later with `affine-attention report RUN_DIR`)")
-    c.set_defaults(func=_compare)
 
 
 def _out_dir(args, cfg, command: str) -> str:
@@ -69,10 +63,12 @@ def _train(args) -> int:
         for key in ("final_train_loss", "heldout_loss", "heldout_ppl", "tokens_per_s", "wall_time_s"):
             if result.get(key) is not None:
                 print(f"  {key}: {result[key]:.4f}")
+        print(f"  document_mask: {str(result.get('document_mask', False)).lower()} (tokens/s measured with it)")
     return 0
 
 
-def _compare(args) -> int:
+def run_compare(args) -> tuple[str, bool]:
+    """Train and summarise every variant (`compare`); prints summary.md on rank 0. Returns (run folder, is rank 0)."""
     from .compare import compare
     from .config import load_config
     from .distributed import teardown
@@ -83,15 +79,7 @@ def _compare(args) -> int:
         compare(cfg, out, seeds=args.seeds, resume=args.resume, log=lambda m: print(m, file=sys.stderr, flush=True))
     finally:
         teardown()
-    if int(os.environ.get("RANK", "0")) == 0:
+    main = int(os.environ.get("RANK", "0")) == 0
+    if main:
         print((__import__("pathlib").Path(out) / "summary.md").read_text())
-        if args.report:
-            try:
-                from ..analysis.report import write_report
-            except ModuleNotFoundError as err:
-                raise ValueError(f"writing the report needs {err.name} (pip install 'affine-attention[analysis]'); "
-                                 "or pass --no-report and run `affine-attention report RUN_DIR` later") from err
-            paths = write_report(out)
-            print(f"report: {paths['html']} (and {paths['md']})")
-        print(f"run folder: {out}")
-    return 0
+    return out, main

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from .._environment import hardware, versions
+from .._numbers import mean_std
+from ..variants import REFERENCE
 from .config import RunConfig, config_json
 
 METRICS = [("final_train_loss", "final train loss", "{:.4f}"), ("heldout_loss", "held-out loss", "{:.4f}"),
@@ -27,14 +27,7 @@ METRICS = [("final_train_loss", "final train loss", "{:.4f}"), ("heldout_loss", 
            ("wall_time_s", "wall time (s)", "{:.1f}")]
 
 
-def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    if not values:
-        return None, None
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
-
-
-def summarize(results: dict[str, list[dict[str, Any]]], baseline: str = "softmax") -> dict[str, Any]:
+def summarize(results: dict[str, list[dict[str, Any]]], baseline: str = REFERENCE) -> dict[str, Any]:
     """Per variant mean/std of each metric over seeds, with the parameter overhead against `baseline`."""
     base_params = results[baseline][0]["params"] if baseline in results else None
     out: dict[str, Any] = {}
@@ -42,7 +35,7 @@ def summarize(results: dict[str, list[dict[str, Any]]], baseline: str = "softmax
         entry: dict[str, Any] = {"seeds": len(runs), "params": runs[0]["params"],
                                  "param_overhead": runs[0]["params"] - base_params if base_params is not None else None}
         for key, _, _ in METRICS:
-            mean, std = _mean_std([r.get(key) for r in runs])
+            mean, std, _ = mean_std([r.get(key) for r in runs])
             entry[key] = {"mean": mean, "std": std, "values": [r.get(key) for r in runs]}
         out[variant] = entry
     if base_params is not None:
@@ -59,7 +52,7 @@ def markdown(summary: dict[str, Any], title: str) -> str:
             return "-"
         return fmt.format(m["mean"]) + (f" ± {fmt.format(m['std'])}" if m["std"] is not None else "")
 
-    head = ["variant", "Δparams"] + [label for _, label, _ in METRICS] + ["tok/s vs softmax"]
+    head = ["variant", "Δparams"] + [label for _, label, _ in METRICS] + [f"tok/s vs {REFERENCE}"]
     lines = [f"# {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, e in summary.items():
         over = "-" if e["param_overhead"] is None else f"{e['param_overhead']:,}"
@@ -109,6 +102,9 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, re
                "config": cfg.to_dict(), "hardware": hardware(), "versions": versions()}
     if info.is_main:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        masking = ("per document (data.document_mask = true)" if cfg.data.document_mask
+                   else "across document boundaries (data.document_mask = false)")
         (out_dir / "summary.md").write_text(markdown(summary["variants"], f"compare: {out_dir.name}") +
+                                            f"\nAttention in packed rows: {masking}; tokens/s are measured so.\n"
                                             f"\nTotal wall time: {summary['total_wall_time_s']:.0f} s.\n")
     return summary

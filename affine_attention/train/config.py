@@ -10,6 +10,7 @@ reading and editing. `--config NAME` finds a preset, `--config PATH` a file.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import types
@@ -26,8 +27,12 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 
 @dataclass
 class ModelConfig:
-    """The student architecture, built from scratch with transformers (no network: every size is written here)."""
+    """The student architecture, built from scratch with transformers (no network: every size is written here).
 
+    preset names a row of the one architecture table, `affine_attention.hf.presets.PRESETS` (e.g. "llama-3.2-1b",
+    the paper's 1B student): its sizes fill every key the [model] table does not set itself."""
+
+    preset: str = ""
     arch: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama"
     vocab_size: int = 4096  # must cover the tokenizer (checked at training time)
     hidden_size: int = 128
@@ -73,6 +78,10 @@ class DataConfig:
     tokenizer: str = "default"  # "default" (packaged 4096 BPE), a local folder, a hub name, a *.gguf file or an alias
     seq_len: int = 128
     separator: str = ""  # document separator token; "" = the tokenizer's eos token
+    # Per-document attention in packed rows (position_ids restart after each separator; transformers' packing
+    # signal, also for the KD teacher). Off by default: the paper describes plain concatenate-and-chunk packing, and
+    # the presets compare variants on that setting; turn it on for padding-free per-document training.
+    document_mask: bool = False
     shuffle: bool = True  # corpus and files sources: reshuffle packed sequences every epoch (hub streams keep order)
     train: SourceConfig = field(default_factory=SourceConfig)
     eval: SourceConfig = field(default_factory=lambda: SourceConfig(split="validation"))
@@ -288,9 +297,45 @@ def load_config(spec: str | None = None, overrides: list[str] | None = None) -> 
     return config_from_dict(apply_overrides(data, list(overrides or [])), source=str(path))
 
 
+# The architecture table's transformers keys -> [model] keys. Token ids come from the tokenizer, never the table;
+# any other key of a row goes to [model].extra unchanged (e.g. Mistral's sliding_window).
+_PRESET_KEYS = {"model_type": "arch", "vocab_size": "vocab_size", "hidden_size": "hidden_size",
+                "intermediate_size": "intermediate_size", "num_hidden_layers": "num_layers",
+                "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
+                "tie_word_embeddings": "tie_embeddings", "rope_theta": "rope_theta", "rope_scaling": "rope_scaling",
+                "max_position_embeddings": "max_position_embeddings", "rms_norm_eps": "rms_norm_eps"}
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def preset_model_keys(name: str) -> dict[str, Any]:
+    """The [model] keys of architecture `name` in `affine_attention.hf.presets.PRESETS`."""
+    from ..hf.presets import PRESETS
+
+    if name not in PRESETS:
+        raise ValueError(f"model.preset {name!r} is not in the architecture table; choose one of {sorted(PRESETS)}")
+    row = copy.deepcopy(PRESETS[name])  # the caller may change the dicts it gets (rope_scaling)
+    keys = {_PRESET_KEYS[k]: v for k, v in row.items() if k in _PRESET_KEYS}
+    extra = {k: v for k, v in row.items() if k not in _PRESET_KEYS and k not in _TOKEN_IDS}
+    return {**keys, "extra": extra} if extra else keys
+
+
+def _expand_preset(data: dict[str, Any]) -> dict[str, Any]:
+    """[model].preset filled in: the row's keys first, then the table's own keys on top ("extra" merged)."""
+    model = data.get("model")
+    if not isinstance(model, dict) or not model.get("preset"):
+        return data
+    if not isinstance(model["preset"], str):
+        raise ValueError(f"config key 'model.preset' must be a string; got {model['preset']!r}")
+    base = preset_model_keys(model["preset"])
+    merged = {**base, **model}
+    if isinstance(model.get("extra"), dict):
+        merged["extra"] = {**base.get("extra", {}), **model["extra"]}
+    return {**data, "model": merged}
+
+
 def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> RunConfig:
     try:
-        cfg = from_dict(RunConfig, data)
+        cfg = from_dict(RunConfig, _expand_preset(data))
         validate(cfg)
     except ValueError as err:
         raise ValueError(f"{source}: {err}") from None

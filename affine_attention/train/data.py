@@ -19,7 +19,6 @@ result do not depend on the number of ranks.
 """
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..text import documents as text_documents
 from .config import DataConfig, SourceConfig
 from .pretrained import tokenizer_fingerprint
 
@@ -38,69 +38,10 @@ TOKENIZE_BATCH = 32  # documents per tokenizer call
 
 # --- documents -------------------------------------------------------------------------------------------------
 
-def _expand(paths: list[str]) -> list[Path]:
-    out: list[Path] = []
-    for pattern in paths:
-        matches = sorted(glob.glob(os.path.expanduser(pattern)))
-        if not matches:
-            raise ValueError(f"data file pattern {pattern!r} matches no file")
-        out.extend(Path(m) for m in matches)
-    return out
-
-
-def _file_documents(path: Path, text_field: str) -> Iterator[str]:
-    suffix = path.suffix.lower()
-    if suffix in (".txt", ".md"):
-        yield path.read_text(encoding="utf-8")
-    elif suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                obj = json.loads(line)
-                if not isinstance(obj, dict) or text_field not in obj:
-                    raise ValueError(f"{path}:{n}: expected a JSON object with a {text_field!r} field "
-                                     "(set data.*.text_field)")
-                yield obj[text_field]
-    elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        pf = pq.ParquetFile(path)
-        if text_field not in pf.schema_arrow.names:
-            raise ValueError(f"{path}: no column {text_field!r}; columns: {pf.schema_arrow.names}")
-        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-            yield from batch.column(0).to_pylist()
-    else:
-        raise ValueError(f"{path}: unsupported file type {suffix!r}; use .txt (one document per file), "
-                         ".jsonl/.json (one JSON object per line) or .parquet")
-
-
 def documents(src: SourceConfig, skip: int = 0) -> Iterator[str]:
-    """The documents of a source in their fixed order, after skipping the first `skip`."""
-    if src.kind == "corpus":
-        from .corpus import corpus_texts
-
-        yield from corpus_texts(src.split)[skip:]
-    elif src.kind == "files":
-        it = (doc for p in _expand(src.paths) for doc in _file_documents(p, src.text_field))
-        for i, doc in enumerate(it):
-            if i >= skip:
-                yield doc
-    else:
-        from datasets import load_dataset
-
-        kwargs: dict[str, Any] = {"split": src.split, "streaming": True}
-        if src.revision:
-            kwargs["revision"] = src.revision
-        if src.paths:  # a builder ("json", "parquet", "text") over local or remote files
-            kwargs["data_files"] = src.paths
-        ds = load_dataset(src.name, src.subset or None, **kwargs)
-        if skip:
-            ds = ds.skip(skip)
-        for ex in ds:
-            if src.text_field not in ex:
-                raise ValueError(f"dataset {src.name!r} has no field {src.text_field!r}; fields: {sorted(ex)}")
-            yield ex[src.text_field]
+    """The documents of a source in their fixed order, after skipping the first `skip` (see text.documents)."""
+    return text_documents(src.kind, split=src.split, paths=src.paths, text_field=src.text_field, name=src.name,
+                          subset=src.subset, revision=src.revision, skip=skip)
 
 
 def separator_id(tok, separator: str = "") -> int:

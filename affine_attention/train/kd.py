@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import KDConfig
+from .packing import model_inputs
 from .pretrained import load_causal_lm, load_tokenizer, resolve, teacher_identity
 
 
@@ -78,8 +79,9 @@ class Teacher:
     """
 
     def __init__(self, cfg: KDConfig, *, student_tok, student_tok_spec: str, student_vocab: int, data_key: str,
-                 seq_len: int, device: torch.device, rank: int = 0):
-        self.cfg, self.device, self.rank = cfg, device, rank
+                 seq_len: int, device: torch.device, rank: int = 0, doc_sep: int | None = None):
+        # doc_sep: the separator id under document masking; the teacher then sees the student's document boundaries.
+        self.cfg, self.device, self.rank, self.doc_sep = cfg, device, rank, doc_sep
         self.dtype = teacher_dtype(cfg, device)
         self._model = None
         self.cache = None
@@ -89,7 +91,8 @@ class Teacher:
             from .teacher_cache import TeacherCache
 
             key = {"format": 1, "data": data_key, "seq_len": seq_len, "teacher": teacher_identity(cfg.teacher),
-                   "top_k": cfg.top_k, "dtype": str(self.dtype)}
+                   "top_k": cfg.top_k, "dtype": str(self.dtype),
+                   **({"document_mask": True} if doc_sep is not None else {})}  # old caches keep their key
             self.cache = TeacherCache(cfg.cache_dir, key, shard_sequences=cfg.cache_shard_sequences, rank=rank)
             meta = self.cache.teacher_meta()
         if meta is None:  # read the teacher's tokenizer and output size (config only, no weights)
@@ -113,7 +116,7 @@ class Teacher:
 
     @torch.no_grad()
     def _forward(self, inputs: Tensor) -> dict[str, Tensor]:
-        logits = self.model(input_ids=inputs.to(self.device)).logits  # (B, T, V)
+        logits = self.model(**model_inputs(inputs.to(self.device), self.doc_sep)).logits  # (B, T, V)
         if self.cfg.top_k == 0:
             return {"logits": logits}
         values, indices = logits.topk(self.cfg.top_k, dim=-1)

@@ -1,5 +1,9 @@
 """The training loop: one run of one variant (CE or KD), resumable, single process or torchrun (DDP / FSDP2).
 
+`Trainer` is a handful of named steps, each a small method: build (tokenizer and data, model, optimizer, teacher,
+metrics), start or resume, then per step forward_backward -> optimizer_step -> after_optimizer_step -> log_step,
+evaluate / save on schedule, and finish (result.json). `train()` runs them in that order.
+
 Run folder layout (out_dir):
   metrics.jsonl          see metrics.py
   checkpoints/step-N/    periodic checkpoints (checkpoint.py), newest train.keep_checkpoints kept
@@ -19,9 +23,12 @@ import torch
 
 from . import checkpoint as ckpt
 from .config import RunConfig
+from .kd import ce_loss
+from .packing import model_inputs
 from .distributed import DistInfo, accumulation, all_equal, all_reduce_sum, barrier, full_state, load_full_state, \
     setup, wrap
-from .metrics import AlphaStats, MetricsLog, Progress, alpha_ma_per_head, heldout_loss, qk_logit_probe, sink_logits
+from .metrics import MetricsLog, Progress, TokenStats, heldout_loss, qk_logit_probe, running_buffers, \
+    state_per_head, state_per_layer
 
 # Keys that may differ between a run and its resume (they change nothing computed).
 RESUME_FREE_KEYS = {"train.out_dir", "train.log_every", "train.threads"}
@@ -53,207 +60,300 @@ def autocast_for(device: torch.device, precision: str):
     return (lambda: torch.autocast(device.type, dtype=torch.bfloat16)), True
 
 
-def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, base_model=None, variant: str | None = None,
-          variant_options: dict | None = None, label: str | None = None, log=print) -> dict[str, Any]:
-    """Train one variant into `out_dir`; returns the run summary (also written to out_dir/result.json).
+class Trainer:
+    """One run of one variant into `out_dir`; see the module docstring for the order of the steps.
 
     base_model: an unconverted model to start from (compare passes one per seed so all variants share weights);
     by default one is built from cfg.model and cfg.train.seed. variant/variant_options default to [variant].
     """
-    from transformers.utils import logging as hf_logging
 
-    from .data import TrainBatches, data_key, eval_sequences, open_source
-    from .kd import Teacher, ce_loss
-    from .model import build_base, convert, count_params
-    from .optim import build_optimizer, set_lr
-    from .pretrained import load_tokenizer
+    def __init__(self, cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, base_model=None,
+                 variant: str | None = None, variant_options: dict | None = None, label: str | None = None,
+                 log=print):
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    t_start = time.time()
-    tc, dc = cfg.train, cfg.data
-    variant = variant or cfg.variant.name
-    opts = cfg.variant.options if variant_options is None else variant_options
-    out_dir = Path(out_dir)
-    info: DistInfo = setup(tc.device)
-    if tc.threads:
-        torch.set_num_threads(tc.threads)
-    local_batch = tc.global_batch // info.world
-    if tc.global_batch % (tc.micro_batch * info.world):
-        raise ValueError(f"train.global_batch ({tc.global_batch}) must be a multiple of train.micro_batch "
-                         f"({tc.micro_batch}) x ranks ({info.world})")
-    n_micro = local_batch // tc.micro_batch
-    autocast, bf16 = autocast_for(info.device, tc.precision)
-    say = log if info.is_main else (lambda *a, **k: None)
+        hf_logging.disable_progress_bar()
+        self.t_start = time.time()
+        self.cfg, self.tc, self.dc = cfg, cfg.train, cfg.data
+        self.variant = variant or cfg.variant.name
+        self.options = cfg.variant.options if variant_options is None else variant_options
+        self.label = label or self.variant
+        self.out_dir, self.resume = Path(out_dir), resume
+        self.info: DistInfo = setup(self.tc.device)
+        if self.tc.threads:
+            torch.set_num_threads(self.tc.threads)
+        tc, world = self.tc, self.info.world
+        if tc.global_batch % (tc.micro_batch * world):
+            raise ValueError(f"train.global_batch ({tc.global_batch}) must be a multiple of train.micro_batch "
+                             f"({tc.micro_batch}) x ranks ({world})")
+        self.n_micro = tc.global_batch // world // tc.micro_batch
+        self.autocast, self.bf16 = autocast_for(self.info.device, tc.precision)
+        self.say = log if self.info.is_main else (lambda *a, **k: None)
+        self.tokens_per_step = tc.global_batch * self.dc.seq_len
+        self.start_step, self.wall0, self.tokens_seen = 0, 0.0, 0
+        self.train_time, self.last_eval = 0.0, None
+        self.build_data()
+        self.build_model(base_model)
+        self.build_teacher()
+        self.token_stats = TokenStats(self.model)
+        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.info.is_main)
+        if self.info.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
 
-    tok = load_tokenizer(dc.tokenizer)
-    if len(tok) > cfg.model.vocab_size:
-        raise ValueError(f"the tokenizer {dc.tokenizer!r} has {len(tok)} tokens but model.vocab_size is "
-                         f"{cfg.model.vocab_size}; set model.vocab_size >= {len(tok)}")
-    source = open_source(dc.train, tok, dc, tc.seed, shuffle=dc.shuffle)
-    batches = TrainBatches(source, tc.global_batch, tc.micro_batch, info.rank, info.world)
-    held = eval_sequences(dc.eval, tok, dc, max(dc.eval_sequences, dc.probe_sequences)).to(info.device)
+    # --- building -------------------------------------------------------------------------------------------
+    def build_data(self) -> None:
+        """The tokenizer, this rank's training batches and the held-out sequences (eval and probe)."""
+        from .data import TrainBatches, eval_sequences, open_source, separator_id
+        from .pretrained import load_tokenizer
 
-    if base_model is None:
-        base_model = build_base(cfg.model, tc.seed, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        model = convert(base_model, variant, opts, copy_model=False)
-    else:
-        model = convert(base_model, variant, opts)
-    model.to(info.device).train()
-    n_params = count_params(model)
-    if tc.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    hf_model = model
-    model = wrap(model, info, tc.parallel)
-    optimizer = build_optimizer(model, cfg.optim)
-    if tc.compile:
-        model = torch.compile(model)
-    teacher = None
-    if cfg.kd.enabled:
-        teacher = Teacher(cfg.kd, student_tok=tok, student_tok_spec=dc.tokenizer, student_vocab=cfg.model.vocab_size,
-                          data_key=data_key(source, dc.seq_len), seq_len=dc.seq_len, device=info.device,
-                          rank=info.rank)
-    alpha_stats = AlphaStats(model)
-    metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=info.is_main)
-    if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        cfg, dc, tc, info = self.cfg, self.dc, self.tc, self.info
+        self.tok = load_tokenizer(dc.tokenizer)
+        if len(self.tok) > cfg.model.vocab_size:
+            raise ValueError(f"the tokenizer {dc.tokenizer!r} has {len(self.tok)} tokens but model.vocab_size is "
+                             f"{cfg.model.vocab_size}; set model.vocab_size >= {len(self.tok)}")
+        self.source = open_source(dc.train, self.tok, dc, tc.seed, shuffle=dc.shuffle)
+        # The separator under document masking (packing.py), None to attend across documents.
+        self.doc_sep = separator_id(self.tok, dc.separator) if dc.document_mask else None
+        self.batches = TrainBatches(self.source, tc.global_batch, tc.micro_batch, info.rank, info.world)
+        self.held = eval_sequences(dc.eval, self.tok, dc, max(dc.eval_sequences, dc.probe_sequences)).to(info.device)
 
-    start, wall0, tokens_seen = 0, 0.0, 0
-    if resume:
-        path = ckpt.newest_intact(out_dir, log=say)
+    def build_model(self, base_model) -> None:
+        """The converted model on this rank's device, wrapped for DDP / FSDP2 (and compiled), and its optimizer."""
+        from .model import build_base, convert, count_params
+        from .optim import build_optimizer
+
+        tc = self.tc
+        if base_model is None:
+            base_model = build_base(self.cfg.model, tc.seed, eos_token_id=self.tok.eos_token_id,
+                                    pad_token_id=self.tok.pad_token_id)
+            model = convert(base_model, self.variant, self.options, copy_model=False)
+        else:
+            model = convert(base_model, self.variant, self.options)
+        model.to(self.info.device).train()
+        self.n_params = count_params(model)
+        if tc.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.hf_model = model  # unwrapped: what checkpoints save
+        self.model = wrap(model, self.info, tc.parallel)
+        self.optimizer = build_optimizer(self.model, self.cfg.optim)
+        if tc.compile:
+            self.model = torch.compile(self.model)
+
+    def build_teacher(self) -> None:
+        from .data import data_key
+        from .kd import Teacher
+
+        cfg, dc = self.cfg, self.dc
+        self.teacher = None
+        if cfg.kd.enabled:
+            self.teacher = Teacher(cfg.kd, student_tok=self.tok, student_tok_spec=dc.tokenizer,
+                                   student_vocab=cfg.model.vocab_size, data_key=data_key(self.source, dc.seq_len),
+                                   seq_len=dc.seq_len, device=self.info.device, rank=self.info.rank,
+                                   doc_sep=self.doc_sep)
+
+    # --- start or resume ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """A new run: refuse to overwrite one, then write the config record."""
+        if (self.out_dir / "metrics.jsonl").exists():  # every rank checks, before rank 0 writes (barrier below)
+            raise ValueError(f"{self.out_dir} already holds a run; pass --resume to continue it or choose another "
+                             "--out")
+        barrier(self.info)
+        tc, dc = self.tc, self.dc
+        self.metrics.write({"kind": "config", "config": self.cfg.to_dict(), "variant": self.variant,
+                            "variant_options": self.options, "params": self.n_params, "world_size": self.info.world,
+                            "tokens_per_step": self.tokens_per_step,
+                            "precision": "bf16 autocast" if self.bf16 else "fp32", "device": str(self.info.device),
+                            "tokenizer": dc.tokenizer, "separator": dc.separator or self.tok.eos_token})
+
+    def resume_from_checkpoint(self) -> None:
+        """Restore weights, optimizer, RNG, data position and counters from the newest intact checkpoint."""
+        path = ckpt.newest_intact(self.out_dir, log=self.say)
         state = ckpt.load_training_state(path)
         ts = state["trainer_state"]
-        _check_resume_config(ts["config"], cfg)
-        missing = load_full_state(model, optimizer, state["model"], state["optimizer"])
-        tied = {n for n in missing if n.endswith("lm_head.weight") and cfg.model.tie_embeddings}
+        _check_resume_config(ts["config"], self.cfg)
+        missing = load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        tied = {n for n in missing if n.endswith("lm_head.weight") and self.cfg.model.tie_embeddings}
         if set(missing) - tied:
             raise ValueError(f"checkpoint {path} lacks weights {sorted(set(missing) - tied)[:5]}")
         torch.set_rng_state(state["rng"]["torch_cpu"])
-        if "torch_cuda" in state["rng"] and info.device.type == "cuda":
+        if "torch_cuda" in state["rng"] and self.info.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"]["torch_cuda"])
-        batches.load_state_dict(ts["data"])
-        start, wall0, tokens_seen = ts["step"], ts["wall_time"], ts["tokens"]
-        metrics.truncate_after(start)
-        say(f"resuming from {path} (step {start})")
-        metrics.write({"kind": "resume", "step": start, "checkpoint": str(path)})
-        if start >= tc.steps:
-            say(f"the run in {out_dir} is already complete ({start} steps)")
-            if (out_dir / "result.json").is_file():
-                return json.loads((out_dir / "result.json").read_text())
-    else:
-        if (out_dir / "metrics.jsonl").exists():  # every rank checks, before rank 0 writes (barrier below)
-            raise ValueError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out")
-        barrier(info)
-        metrics.write({"kind": "config", "config": cfg.to_dict(), "variant": variant, "variant_options": opts,
-                       "params": n_params, "world_size": info.world, "tokens_per_step": tc.global_batch * dc.seq_len,
-                       "precision": "bf16 autocast" if bf16 else "fp32", "device": str(info.device),
-                       "tokenizer": dc.tokenizer, "separator": dc.separator or tok.eos_token})
+        self.batches.load_state_dict(ts["data"])
+        self.start_step, self.wall0, self.tokens_seen = ts["step"], ts["wall_time"], ts["tokens"]
+        self.metrics.truncate_after(self.start_step)
+        self.say(f"resuming from {path} (step {self.start_step})")
+        self.metrics.write({"kind": "resume", "step": self.start_step, "checkpoint": str(path)})
 
-    tokens_per_step = tc.global_batch * dc.seq_len
-    progress = Progress(tc.steps, start, tc.log_every, info.is_main, label=label or variant)
-    t_seg = time.time()
-    train_time = 0.0
+    def begin(self) -> None:
+        """After start or resume: the progress display and the wall clock of this segment of the run."""
+        self.progress = Progress(self.tc.steps, self.start_step, self.tc.log_every, self.info.is_main,
+                                 label=self.label)
+        self.t_seg = time.time()
 
-    def do_eval(step: int) -> dict[str, Any]:
-        model.eval()
-        try:
-            rec = {"kind": "eval", "step": step}
-            loss = heldout_loss(model, held[:dc.eval_sequences], dc.eval_batch, autocast)
-            rec.update(heldout_loss=loss, heldout_ppl=math.exp(loss))
-            rec.update(qk_logit_probe(model, held[:dc.probe_sequences, :-1], autocast))
-            if (a := alpha_ma_per_head(model)):
-                rec["alpha_ma"] = a
-            if (s := sink_logits(model)):
-                rec["sinks"] = s
-        finally:
-            model.train()
-        metrics.write(rec)
-        progress.write(f"[{label or variant}] step {step}: held-out loss {rec['heldout_loss']:.4f} "
-                       f"(ppl {rec['heldout_ppl']:.1f}), mean qk logit {rec['qk_logit_mean']:.3f}")
-        return rec
-
-    def save(step: int, final: bool) -> None:
-        if teacher is not None:
-            teacher.flush()
-        msd, osd = full_state(model, optimizer)
-        if info.is_main:
-            state = {"step": step, "data": batches.state_dict(), "wall_time": wall0 + time.time() - t_seg,
-                     "tokens": tokens_seen, "config": cfg.to_dict(), "variant": variant, "world_size": info.world}
-            target = out_dir / "final" if final else out_dir / "checkpoints" / ckpt.step_name(step)
-            ckpt.save(target, model=hf_model, model_sd=msd, optim_sd=osd, tokenizer=tok, trainer_state=state)
-            if not final:
-                ckpt.prune(out_dir, tc.keep_checkpoints)
-        barrier(info)
-
-    last_eval = do_eval(0) if start == 0 and start < tc.steps else None
-    train_losses: list[float] = []
-    for s in range(start, tc.steps):
-        t0 = time.time()
-        lr = set_lr(optimizer, s, tc.steps, cfg.optim.lr, cfg.schedule)
-        rows, ids = batches.next()  # (local_batch, T + 1)
-        rows = rows.to(info.device)
-        sums = torch.zeros(3, dtype=torch.float64)  # loss, ce, kd (sums of micro-batch means)
-        for i in range(n_micro):
-            mb = rows[i * tc.micro_batch:(i + 1) * tc.micro_batch]
-            inputs, targets = mb[:, :-1], mb[:, 1:]
-            with accumulation(model, info, sync=i == n_micro - 1):
-                with autocast():
-                    logits = model(input_ids=inputs).logits  # (b, T, V)
+    # --- one step -------------------------------------------------------------------------------------------
+    def forward_backward(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Accumulate gradients over this rank's micro-batches of rows (L, T + 1) with sequence ids (L,); returns
+        (3,) float64 sums of micro-batch means of (loss, ce, kd)."""
+        tc, cfg, teacher, model = self.tc, self.cfg, self.teacher, self.model
+        sums = torch.zeros(3, dtype=torch.float64)
+        for i in range(self.n_micro):
+            sl = slice(i * tc.micro_batch, (i + 1) * tc.micro_batch)
+            inputs, targets = rows[sl, :-1], rows[sl, 1:]
+            with accumulation(model, self.info, sync=i == self.n_micro - 1):
+                with self.autocast():
+                    logits = model(**model_inputs(inputs, self.doc_sep)).logits  # (b, T, V)
                 ce = ce_loss(logits, targets)
                 kd = None
                 if teacher is not None:
-                    kd = teacher.loss(logits, teacher.targets(inputs, ids[i * tc.micro_batch:(i + 1) * tc.micro_batch]))
+                    kd = teacher.loss(logits, teacher.targets(inputs, ids[sl]))
                     loss = cfg.kd.kd_alpha * kd + (1.0 - cfg.kd.kd_alpha) * ce
                 else:
                     loss = ce
-                (loss / n_micro).backward()
-            sums += torch.tensor([float(loss.detach()), float(ce.detach()), float(kd.detach()) if kd is not None else 0.0], dtype=torch.float64)
-        max_norm = cfg.optim.clip_grad_norm if cfg.optim.clip_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                (loss / self.n_micro).backward()
+            sums += torch.tensor([float(loss.detach()), float(ce.detach()),
+                                  float(kd.detach()) if kd is not None else 0.0], dtype=torch.float64)
+        return sums
+
+    def optimizer_step(self) -> float:
+        """Clip, step and clear the gradients; returns the global pre-clip gradient norm."""
+        clip = self.cfg.optim.clip_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        sums = all_reduce_sum(sums.to(info.device), info).cpu() / (n_micro * info.world)
-        dt = time.time() - t0
-        train_time += dt
-        tokens_seen += tokens_per_step
-        step = s + 1
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def after_optimizer_step(self) -> None:
+        """Once per optimizer step, after it: the per-step state updates outside autograd. The variants' running
+        statistics (alpha_ma) take one EMA step from every micro-batch of this step on every rank."""
+        from ..variants.running_stats import step_running_stats
+
+        step_running_stats(self.hf_model)
+
+    def log_step(self, step: int, sums: torch.Tensor, lr: float, grad_norm: float, dt: float) -> dict[str, Any]:
+        """Average the losses over ranks, write the train record with the variant's statistics, update progress."""
+        sums = all_reduce_sum(sums.to(self.info.device), self.info).cpu() / (self.n_micro * self.info.world)
         rec = {"kind": "train", "step": step, "loss": float(sums[0]), "ce_loss": float(sums[1]), "lr": lr,
-               "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / dt, "tokens": tokens_seen,
-               "wall_time": wall0 + time.time() - t_seg}
-        if teacher is not None:
+               "grad_norm": grad_norm, "tokens_per_s": self.tokens_per_step / dt, "tokens": self.tokens_seen,
+               "wall_time": self.wall0 + time.time() - self.t_seg}
+        if self.teacher is not None:
             rec["kd_loss"] = float(sums[2])
-        rec.update(alpha_stats.collect(info))
-        if (sk := sink_logits(model)):
-            rec["sinks"] = [sum(x) / len(x) for x in sk]
-        metrics.write(rec)
-        train_losses.append(rec["loss"])
-        progress.update(step, rec["loss"], rec["tokens_per_s"])
+        rec.update(self.token_stats.collect(self.info))
+        rec.update(state_per_layer(self.model))
+        self.metrics.write(rec)
+        self.progress.update(step, rec["loss"], rec["tokens_per_s"])
         if not math.isfinite(rec["loss"]):
             raise FloatingPointError(f"loss is {rec['loss']} at step {step}; lower optim.lr or check the data")
+        return rec
+
+    def train_step(self, s: int) -> None:
+        """Optimizer step s + 1: learning rate, batch, gradients, update, logging."""
+        from .optim import set_lr
+
+        t0 = time.time()
+        lr = set_lr(self.optimizer, s, self.tc.steps, self.cfg.optim.lr, self.cfg.schedule)
+        rows, ids = self.batches.next()  # (local_batch, T + 1)
+        sums = self.forward_backward(rows.to(self.info.device), ids)
+        grad_norm = self.optimizer_step()
+        self.after_optimizer_step()
+        dt = time.time() - t0
+        self.train_time += dt
+        self.tokens_seen += self.tokens_per_step
+        self.log_step(s + 1, sums, lr, grad_norm, dt)
+
+    # --- evaluation and checkpoints -------------------------------------------------------------------------
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """Held-out loss, the query-key logit probe and the variant's per-head state, as an eval record."""
+        dc, model = self.dc, self.model
+        model.eval()
+        try:
+            rec = {"kind": "eval", "step": step}
+            loss = heldout_loss(model, self.held[:dc.eval_sequences], dc.eval_batch, self.autocast, self.doc_sep)
+            rec.update(heldout_loss=loss, heldout_ppl=math.exp(loss))
+            rec.update(qk_logit_probe(model, self.held[:dc.probe_sequences, :-1], self.autocast))
+            rec.update(state_per_head(model))
+        finally:
+            model.train()
+        self.metrics.write(rec)
+        self.progress.write(f"[{self.label}] step {step}: held-out loss {rec['heldout_loss']:.4f} "
+                            f"(ppl {rec['heldout_ppl']:.1f}), mean qk logit {rec['qk_logit_mean']:.3f}")
+        self.last_eval = rec
+        return rec
+
+    def save(self, step: int, final: bool) -> None:
+        if self.teacher is not None:
+            self.teacher.flush()
+        msd, osd = full_state(self.model, self.optimizer)
+        if self.info.is_main:
+            state = {"step": step, "data": self.batches.state_dict(), "wall_time": self.wall0 + time.time() - self.t_seg,
+                     "tokens": self.tokens_seen, "config": self.cfg.to_dict(), "variant": self.variant,
+                     "world_size": self.info.world}
+            target = self.out_dir / "final" if final else self.out_dir / "checkpoints" / ckpt.step_name(step)
+            ckpt.save(target, model=self.hf_model, model_sd=msd, optim_sd=osd, tokenizer=self.tok, trainer_state=state)
+            if not final:
+                ckpt.prune(self.out_dir, self.tc.keep_checkpoints)
+        barrier(self.info)
+
+    def on_schedule(self, step: int) -> None:
+        tc = self.tc
         if step == tc.steps or (tc.eval_every and step % tc.eval_every == 0):
-            last_eval = do_eval(step)
+            self.evaluate(step)
         if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
-            save(step, final=False)
-    progress.close()
-    if start < tc.steps:
-        save(tc.steps, final=True)
-    alpha_bufs = [m.alpha_ma for m in hf_model.modules() if hasattr(m, "alpha_ma")]
-    rank_diff = all_equal(torch.cat(alpha_bufs), info) if alpha_bufs else 0.0
-    if info.is_main:  # the whole run's losses, including steps before a resume
-        train_losses = [json.loads(line)["loss"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()
-                        if json.loads(line).get("kind") == "train"]
-    window = max(1, round(FINAL_LOSS_WINDOW * tc.steps))
-    tail = train_losses[-window:]
-    result = {"variant": variant, "params": n_params, "steps": tc.steps, "world_size": info.world,
-              "final_train_loss": sum(tail) / len(tail) if tail else None,
-              "final_loss_window": window, "last_step_loss": train_losses[-1] if train_losses else None,
-              "heldout_loss": last_eval["heldout_loss"] if last_eval else None,
-              "heldout_ppl": last_eval["heldout_ppl"] if last_eval else None,
-              "qk_logit_mean": last_eval["qk_logit_mean"] if last_eval else None,
-              "tokens_per_s": tokens_per_step * (tc.steps - start) / train_time if train_time else None,
-              "train_time_s": train_time, "wall_time_s": wall0 + time.time() - t_seg,
-              "process_time_s": time.time() - t_start, "alpha_ma_max_rank_diff": rank_diff}
-    metrics.write({"kind": "end", "step": tc.steps, **result})
-    if info.is_main:
-        (out_dir / "result.json").write_text(json.dumps(result, indent=2))
-    return result
+            self.save(step, final=False)
+
+    # --- the run --------------------------------------------------------------------------------------------
+    def finish(self) -> dict[str, Any]:
+        """The run summary (whole-run losses, including steps before a resume), written to result.json."""
+        tc, info, ev = self.tc, self.info, self.last_eval
+        bufs = running_buffers(self.hf_model)
+        rank_diff = all_equal(torch.cat([b.flatten() for b in bufs]), info) if bufs else 0.0
+        train_losses: list[float] = []
+        if info.is_main:
+            train_losses = [json.loads(line)["loss"] for line in
+                            (self.out_dir / "metrics.jsonl").read_text().splitlines()
+                            if json.loads(line).get("kind") == "train"]
+        window = max(1, round(FINAL_LOSS_WINDOW * tc.steps))
+        tail = train_losses[-window:]
+        result = {"variant": self.variant, "params": self.n_params, "steps": tc.steps, "world_size": info.world,
+                  "final_train_loss": sum(tail) / len(tail) if tail else None,
+                  "final_loss_window": window, "last_step_loss": train_losses[-1] if train_losses else None,
+                  "heldout_loss": ev["heldout_loss"] if ev else None,
+                  "heldout_ppl": ev["heldout_ppl"] if ev else None,
+                  "qk_logit_mean": ev["qk_logit_mean"] if ev else None,
+                  "tokens_per_s": (self.tokens_per_step * (tc.steps - self.start_step) / self.train_time
+                                   if self.train_time else None),
+                  "document_mask": self.dc.document_mask,
+                  "train_time_s": self.train_time, "wall_time_s": self.wall0 + time.time() - self.t_seg,
+                  "process_time_s": time.time() - self.t_start, "alpha_ma_max_rank_diff": rank_diff}
+        self.metrics.write({"kind": "end", "step": tc.steps, **result})
+        if info.is_main:
+            (self.out_dir / "result.json").write_text(json.dumps(result, indent=2))
+        return result
+
+    def run(self) -> dict[str, Any]:
+        tc = self.tc
+        if self.resume:
+            self.resume_from_checkpoint()
+            if self.start_step >= tc.steps:
+                self.say(f"the run in {self.out_dir} is already complete ({self.start_step} steps)")
+                if (self.out_dir / "result.json").is_file():
+                    return json.loads((self.out_dir / "result.json").read_text())
+        else:
+            self.start()
+        self.begin()
+        if self.start_step == 0 and tc.steps > 0:
+            self.evaluate(0)
+        for s in range(self.start_step, tc.steps):
+            self.train_step(s)
+            self.on_schedule(s + 1)
+        self.progress.close()
+        if self.start_step < tc.steps:
+            self.save(tc.steps, final=True)
+        return self.finish()
+
+
+def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, base_model=None, variant: str | None = None,
+          variant_options: dict | None = None, label: str | None = None, log=print) -> dict[str, Any]:
+    """Train one variant into `out_dir`; returns the run summary (also written to out_dir/result.json)."""
+    return Trainer(cfg, out_dir, resume=resume, base_model=base_model, variant=variant,
+                   variant_options=variant_options, label=label, log=log).run()

@@ -4,10 +4,12 @@ metrics.jsonl holds one JSON object per line, tagged by "kind":
   config  first line: the resolved config and run facts (parameters, tokens per step, world size)
   train   every step: step (optimizer updates done, from 1), loss, ce_loss, kd_loss (KD runs), lr, grad_norm (global
           L2 norm before clipping), tokens_per_s, wall_time (s since the run began, across resumes), tokens;
-          affine: alpha_mean, alpha_std (per layer, over heads and tokens of this step's batches, all ranks) and
-          alpha_ma (per layer, mean over heads); sink: sinks (per layer, mean over heads)
+          and the statistics the variant declares: <key>_mean, <key>_std per layer for each per-token statistic
+          (variant.token_stats, e.g. affine: alpha_mean, alpha_std over heads and tokens of this step's batches, all
+          ranks) and <key> per layer, mean over heads, for each per-head state (variant.state_stats, e.g. alpha_ma,
+          sinks)
   eval    at step 0, every train.eval_every steps and at the end: heldout_loss, heldout_ppl, qk_logit_mean,
-          qk_logit_abs_mean (and their per-layer lists), alpha_ma / sinks per layer and head
+          qk_logit_abs_mean (and their per-layer lists), each per-head state per layer and head
   resume  where a resumed run continued; end: the final record (alpha_ma equality across ranks, totals)
 Query-key logits (paper Fig. 2): forward pre-hooks on every attention-variant module capture the q and k it receives
 (after projections, q/k norms and RoPE: exactly what the attention op sees), and the logits q.k^T * scale (the
@@ -26,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..ops import attention_logits, visible_mask
-from ..variants import AffineAttention, AttentionVariant, SinkAttention
+from ..ops.logits import visible_logit_sums
+from ..variants import AttentionVariant
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -67,12 +69,15 @@ class MetricsLog:
                 f.write(json.dumps(record, allow_nan=True) + "\n")
 
 
-class AlphaStats:
-    """Per-layer sums of alpha, alpha^2 and counts over the training forwards of one step (hooks)."""
+class TokenStats:
+    """Per-layer sums of each declared per-token statistic (variant.token_stats, e.g. affine's alpha), of its square
+    and counts, over the training forwards of one step (forward hooks)."""
 
     def __init__(self, model: nn.Module):
-        self.mods = [m for m in variant_modules(model) if isinstance(m, AffineAttention)]
-        self.acc = torch.zeros(len(self.mods), 3, dtype=torch.float64)
+        self.mods = [m for m in variant_modules(model) if m.token_stats]
+        self.keys = list(dict.fromkeys(k for m in self.mods for k in m.token_stats))
+        # (layer, key, [sum, sum of squares, count]); a layer without a key keeps count 0 and is left out
+        self.acc = torch.zeros(len(self.mods), len(self.keys), 3, dtype=torch.float64)
         self.handles = [m.register_forward_hook(self._hook(i), with_kwargs=True) for i, m in enumerate(self.mods)]
 
     def _hook(self, i: int):
@@ -82,37 +87,55 @@ class AlphaStats:
                 return
             x = args[3] if len(args) > 3 else kwargs["x"]  # forward(q, k, v, x, ...)
             with torch.no_grad():
-                a = module.compute_alpha(x.detach()).double()  # (B, Hq, T)
-                self.acc[i] += torch.stack([a.sum(), (a * a).sum(), a.new_tensor(a.numel())]).cpu()
+                for key, a in module.token_statistics(x.detach()).items():  # (B, Hq, T)
+                    a = a.double()
+                    self.acc[i, self.keys.index(key)] += torch.stack([a.sum(), (a * a).sum(),
+                                                                      a.new_tensor(a.numel())]).cpu()
         return hook
 
     def collect(self, info) -> dict[str, list[float]]:
-        """alpha_mean/alpha_std per layer over all ranks, then reset. Collective under torchrun."""
+        """<key>_mean / <key>_std per layer over all ranks, then reset. Collective under torchrun."""
         if not self.mods:
             return {}
         from .distributed import all_reduce_sum
 
-        acc = all_reduce_sum(self.acc.to(info.device), info).cpu()  # nccl reduces only device tensors
+        # clone: on a CPU device .to() and .cpu() return the accumulator itself, which zero_() would then clear
+        acc = all_reduce_sum(self.acc.clone().to(info.device), info).cpu()  # nccl reduces only device tensors
         self.acc.zero_()
-        n = acc[:, 2].clamp(min=1)
-        mean = acc[:, 0] / n
-        std = (acc[:, 1] / n - mean * mean).clamp(min=0).sqrt()
-        return {"alpha_mean": mean.tolist(), "alpha_std": std.tolist(),
-                "alpha_ma": [float(m.alpha_ma.float().mean()) for m in self.mods]}
+        out = {}
+        for j, key in enumerate(self.keys):
+            rows = acc[:, j][acc[:, j, 2] > 0]
+            n = rows[:, 2]
+            mean = rows[:, 0] / n
+            std = (rows[:, 1] / n - mean * mean).clamp(min=0).sqrt()
+            out[f"{key}_mean"], out[f"{key}_std"] = mean.tolist(), std.tolist()
+        return out
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
 
 
-def sink_logits(model: nn.Module) -> list[list[float]]:
-    """Learned sink logits per layer and head (empty when the model has none). Collective under FSDP2."""
-    return [_local(m.sinks.detach()).float().tolist() for m in variant_modules(model)
-            if isinstance(m, SinkAttention) and isinstance(m.sinks, nn.Parameter)]
+def state_per_head(model: nn.Module) -> dict[str, list[list[float]]]:
+    """key -> per layer, per head values of each declared per-head state (variant.state_stats: affine's alpha_ma,
+    the sink logits); layers without the key are left out. Collective under FSDP2 (sharded parameters)."""
+    out: dict[str, list[list[float]]] = {}
+    for m in variant_modules(model):
+        for key, t in m.state_statistics().items():
+            out.setdefault(key, []).append(_local(t.detach()).float().tolist())
+    return out
 
 
-def alpha_ma_per_head(model: nn.Module) -> list[list[float]]:
-    return [m.alpha_ma.float().tolist() for m in variant_modules(model) if isinstance(m, AffineAttention)]
+def state_per_layer(model: nn.Module) -> dict[str, list[float]]:
+    """key -> per layer mean over heads of `state_per_head` (the per-step record)."""
+    return {k: [sum(x) / len(x) for x in v] for k, v in state_per_head(model).items()}
+
+
+def running_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The declared per-head states that are buffers, not parameters (running statistics such as alpha_ma): they
+    must be equal on every data-parallel rank."""
+    params = {id(p) for p in model.parameters()}
+    return [t for m in variant_modules(model) for t in m.state_statistics().values() if id(t) not in params]
 
 
 @torch.no_grad()
@@ -127,17 +150,9 @@ def qk_logit_probe(model: nn.Module, tokens: torch.Tensor, autocast) -> dict[str
         def hook(module, args, kwargs):
             q = args[0] if len(args) > 0 else kwargs["q"]
             k = args[1] if len(args) > 1 else kwargs["k"]
-            D = q.shape[-1]
-            scale = kwargs.get("scale")
-            vis = visible_mask(kwargs.get("attn_mask"), bool(kwargs.get("is_causal", False)), q.shape[2],
-                               k.shape[2], q.device)
-            for b in range(q.shape[0]):  # one sequence at a time bounds memory at Hq x T x S
-                logits = attention_logits(q[b:b + 1].float(), k[b:b + 1].float(),
-                                          scale=scale if scale is not None else D ** -0.5,
-                                          enable_gqa=q.shape[1] != k.shape[1])
-                vb = (vis[b:b + 1] if vis.shape[0] > 1 else vis).expand_as(logits)
-                sel = logits[vb].double()
-                sums[i] += torch.stack([sel.sum(), sel.abs().sum(), sel.new_tensor(sel.numel())]).cpu()
+            sums[i] += visible_logit_sums(q, k, attn_mask=kwargs.get("attn_mask"),
+                                          is_causal=bool(kwargs.get("is_causal", False)), window=kwargs.get("window"),
+                                          document_ids=kwargs.get("document_ids"), scale=kwargs.get("scale")).sum(1)
         return hook
 
     handles = [m.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, m in enumerate(mods)]
@@ -155,15 +170,18 @@ def qk_logit_probe(model: nn.Module, tokens: torch.Tensor, autocast) -> dict[str
 
 
 @torch.no_grad()
-def heldout_loss(model: nn.Module, sequences: torch.Tensor, batch: int, autocast) -> float:
-    """Mean next-token cross-entropy over sequences (N, T + 1) int64 (on the model's device)."""
+def heldout_loss(model: nn.Module, sequences: torch.Tensor, batch: int, autocast, doc_sep: int | None = None) -> float:
+    """Mean next-token cross-entropy over sequences (N, T + 1) int64 (on the model's device); doc_sep: the separator
+    id under document masking (see packing.py), None to attend across documents."""
     import torch.nn.functional as F
+
+    from .packing import model_inputs
 
     total, count = 0.0, 0
     for i in range(0, sequences.shape[0], batch):
         chunk = sequences[i:i + batch]
         with autocast():
-            logits = model(input_ids=chunk[:, :-1]).logits
+            logits = model(**model_inputs(chunk[:, :-1], doc_sep)).logits
         total += float(F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"))
         count += chunk[:, 1:].numel()
     return total / count

@@ -6,7 +6,7 @@ from typing import Any
 
 from .affine import AffineAttention, AffineGatedAttention, AffineOptions, linear_clip
 from .affine_frozen import AffineFrozenAttention
-from .base import AttentionShape, AttentionVariant
+from .base import OKABE_ITO, AttentionShape, AttentionVariant, Display
 from .gated import GatedAttention, GatedOptions
 from .options import options_from_dict, options_to_dict
 from .scaled_softmax import ScaledSoftmaxAttention
@@ -17,6 +17,31 @@ REGISTRY: dict[str, type[AttentionVariant]] = {
     cls.name: cls for cls in (SoftmaxAttention, OffByOneAttention, SinkAttention, GatedAttention, AffineAttention,
                               AffineGatedAttention, ScaledSoftmaxAttention, AffineFrozenAttention)
 }
+#: The variant every other is measured against (parameter overheads, paired differences, speed ratios): the base
+#: class itself, which plain transformers attention also equals.
+REFERENCE = AttentionVariant.name
+
+
+def register_variant(cls: type[AttentionVariant]) -> type[AttentionVariant]:
+    """Add a variant class to the registry (usable as a class decorator); its name must be new."""
+    if not (isinstance(cls, type) and issubclass(cls, AttentionVariant)):
+        raise ValueError(f"register_variant expects an AttentionVariant subclass, got {cls!r}")
+    if cls.name in REGISTRY:
+        raise ValueError(f"a variant named {cls.name!r} is already registered ({REGISTRY[cls.name].__name__})")
+    if cls.role not in ("method", "baseline", "control"):
+        raise ValueError(f"{cls.__name__}.role must be 'method', 'baseline' or 'control', got {cls.role!r}")
+    for other in REGISTRY.values():  # figures tell variants apart by colour and by marker
+        if cls.display.color.upper() == other.display.color.upper() or cls.display.marker == other.display.marker:
+            raise ValueError(f"{cls.__name__}.display {cls.display} shares its colour or marker with "
+                             f"{other.name!r} ({other.display}); give it its own `display`")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def unregister_variant(name: str) -> None:
+    """Remove a variant added by `register_variant` (tests and plug-ins)."""
+    get_variant(name)
+    del REGISTRY[name]
 
 
 def variant_names() -> list[str]:
@@ -41,11 +66,29 @@ def build_variant(name: str, shape: AttentionShape, **options) -> AttentionVaria
 
 def is_control(name: str) -> bool:
     """Controls exist to separate a method's gain from a plain output scale (see the ablation preset)."""
-    return bool(getattr(get_variant(name), "control", False))
+    return get_variant(name).role == "control"
+
+
+def role(name: str) -> str:
+    """"method", "baseline" or "control"."""
+    return get_variant(name).role
+
+
+def control_pairs(names=None) -> list[tuple[str, str]]:
+    """(variant, control) pairs to compare by seed, among `names` (default: all registered), in the order of
+    `names`."""
+    names = list(REGISTRY) if names is None else list(names)
+    return [(v, c) for v in names if v in REGISTRY for c in REGISTRY[v].controls if c in names]
+
+
+def display(name: str) -> Display:
+    """Legend label, colour, marker and line style of a registered variant."""
+    return get_variant(name).display
 
 
 __all__ = [
-    "REGISTRY", "AffineFrozenAttention", "AttentionShape", "AttentionVariant", "AffineAttention", "AffineGatedAttention", "AffineOptions",
+    "OKABE_ITO", "REFERENCE", "REGISTRY", "Display", "control_pairs", "display", "register_variant", "role",
+    "unregister_variant", "AffineFrozenAttention", "AttentionShape", "AttentionVariant", "AffineAttention", "AffineGatedAttention", "AffineOptions",
     "GatedAttention", "GatedOptions", "OffByOneAttention", "ScaledSoftmaxAttention", "SinkAttention", "SinkOptions",
     "SoftmaxAttention", "build_variant", "get_variant", "is_control", "linear_clip", "options_to_dict",
     "parse_options", "variant_names",

@@ -5,11 +5,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..ops import affine_scaled_attention_reference
-from .base import AttentionVariant, Prologue
+from . import running_stats
+from .base import OKABE_ITO, AttentionVariant, Display, Prologue
 from .gated import GateMixin, GatedOptions
 
 
@@ -19,6 +19,8 @@ def linear_clip(x: Tensor) -> Tensor:
 
 
 ACTIVATIONS = {"linear_clip": linear_clip, "sigmoid": torch.sigmoid}
+# alpha in [0, 1] is accumulated as round(alpha * 2**32) in int64: 2**31 tokens per step before overflow.
+ALPHA_FIXED_POINT = 2.0 ** 32
 
 
 @dataclass(frozen=True)
@@ -38,14 +40,21 @@ class AffineOptions:
 
 
 class AffineAttention(AttentionVariant):
-    """alpha_ma semantics: a per-head buffer starting at 0, updated only in training, once per forward of real
-    data (a recomputation by activation checkpointing reuses the value of the original forward), from the mean of
-    alpha over real tokens, averaged over data-parallel ranks so every rank holds the same value; frozen in eval.
+    """alpha_ma semantics: a per-head buffer starting at 0, frozen in eval, used as it is by every forward of an
+    optimizer step. In training each forward only adds alpha over its real tokens to `alpha_acc` (a recomputation
+    by activation checkpointing adds nothing); `affine_attention.step_running_stats(model)`, once per optimizer
+    step, sums the accumulators over the data-parallel group and applies one EMA step to the token-weighted mean.
+    So every parallel layout (ranks x micro-batches) of the same tokens gives the same alpha_ma on every rank.
     """
 
     name = "affine"
     Options = AffineOptions
     uses_value_mean = True
+    role = "method"
+    controls = ("affine_frozen", "scaled_softmax")
+    display = Display("Affine-scaled", OKABE_ITO["vermillion"], "^", "-")
+    token_stats = {"alpha": "α"}
+    state_stats = {"alpha_ma": "α moving average"}
 
     def __init__(self, shape, options=None):
         super().__init__(shape, options)
@@ -53,7 +62,11 @@ class AffineAttention(AttentionVariant):
             self.alpha_proj = nn.Linear(shape.hidden_size, shape.num_heads, bias=False)
             nn.init.zeros_(self.alpha_proj.weight)  # alpha starts at phi(0) = 0.5
         self.register_buffer("alpha_ma", torch.zeros(shape.num_heads))
-        self._alpha_ma_used: Tensor | None = None
+        # (Hq + 1,) int64: per head the sum of round(alpha * 2**32) over the real tokens seen since the last step,
+        # then their count. Integers: exact and order-independent (any layout sums to the same bits), untouched by
+        # `model.to(dtype)`. Persistent, so a checkpoint round trip never leaves it uninitialised (meta loading).
+        self.register_buffer("alpha_acc", torch.zeros(shape.num_heads + 1, dtype=torch.int64))
+        running_stats.watch(self)
 
     def compute_alpha(self, x: Tensor) -> Tensor:
         """x: (B, T, hidden) -> alpha: (B, Hq, T) in float32 (float64 for float64 input)."""
@@ -66,30 +79,55 @@ class AffineAttention(AttentionVariant):
         return ACTIVATIONS[self.options.activation](pre).transpose(1, 2)
 
     def _alpha_ma_for_forward(self, alpha: Tensor, token_mask: Tensor | None) -> Tensor:
-        """The alpha_ma this forward uses; in training, update the buffer first (once per real forward)."""
-        if not self.training:
-            return self.alpha_ma
-        if torch._C._current_graph_task_id() != -1 and self._alpha_ma_used is not None:
-            # Inside backward: activation checkpointing recomputing this forward. Reuse, never update again.
-            return self._alpha_ma_used
+        """The alpha_ma this forward uses (the buffer, unchanged); in training, accumulate alpha's statistic."""
+        if self.training and not running_stats.recomputing():
+            self.accumulate_alpha(alpha, token_mask)
+        return self.alpha_ma
+
+    @torch.no_grad()
+    def accumulate_alpha(self, alpha: Tensor, token_mask: Tensor | None = None) -> None:
+        """alpha: (B, Hq, T); token_mask: (B, T) bool, True on real tokens (None: every token is real)."""
+        B, _, T = alpha.shape
+        fixed = torch.round(alpha.detach() * ALPHA_FIXED_POINT).to(torch.int64)  # exact: alpha lies in [0, 1]
+        if token_mask is not None:
+            if token_mask.shape != (B, T):
+                raise ValueError(f"token_mask must have shape (B, T) = {(B, T)}, got {tuple(token_mask.shape)}")
+            w = token_mask.to(torch.int64)
+            stats = torch.cat([(fixed * w[:, None, :]).sum((0, 2)), w.sum().reshape(1)])
+        else:
+            stats = torch.cat([fixed.sum((0, 2)), fixed.new_full((1,), B * T)])
+        self.alpha_acc.add_(stats)
+
+    @torch.no_grad()
+    def apply_running_stats(self, acc: Tensor) -> None:
+        """acc: (Hq + 1,) int64, this layer's `alpha_acc` summed over the data-parallel group. One EMA step
+        alpha_ma <- rho * alpha_ma + (1 - rho) * mean(alpha) where any real token was seen; then the local
+        accumulator restarts at zero. No host sync (torch.where instead of a Python branch)."""
+        ma = self.alpha_ma
+        dt = torch.float32 if ma.device.type == "mps" else torch.float64
+        acc = acc.to(ma.device)
+        count = acc[-1]
+        mean = acc[:-1].to(dt) / (count.clamp(min=1).to(dt) * ALPHA_FIXED_POINT)
+        new = torch.lerp(mean, ma.to(dt), self.options.momentum)
+        ma.copy_(torch.where(count > 0, new, ma.to(dt)))
+        self.alpha_acc.zero_()
+
+    def token_statistics(self, x):
+        return {"alpha": self.compute_alpha(x)}
+
+    def state_statistics(self):
+        return {"alpha_ma": self.alpha_ma}
+
+    def retrofit(self) -> float:
+        """alpha starts at a constant a = phi(0) (or frozen_alpha); with alpha_ma = a the bias term vanishes, so the
+        output is a * softmax attention. alpha_proj (zero) still gets gradient through alpha * (Attn - mean V)."""
+        a = 0.5 if self.options.frozen_alpha is None else self.options.frozen_alpha  # linear_clip(0) = sigmoid(0)
+        if a <= 0:
+            raise ValueError(f"{self.name}: frozen_alpha = {a} scales attention to zero, so no conversion can "
+                             "preserve the model's function; use frozen_alpha > 0 or function_preserving=False")
         with torch.no_grad():
-            a = alpha.detach().float()  # (B, Hq, T)
-            if token_mask is not None:
-                if token_mask.shape != (a.shape[0], a.shape[2]):
-                    raise ValueError(f"token_mask must have shape (B, T) = {(a.shape[0], a.shape[2])}, "
-                                     f"got {tuple(token_mask.shape)}")
-                w = token_mask.to(a.dtype)[:, None, :]
-                stats = torch.cat([(a * w).sum((0, 2)), w.sum().expand(1)])
-            else:
-                stats = torch.cat([a.sum((0, 2)), a.new_tensor([a.shape[0] * a.shape[2]])])
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(stats)  # token-weighted mean over every data-parallel rank
-            mean = (stats[:-1] / stats[-1].clamp(min=1.0)).to(self.alpha_ma.dtype)
-            # A batch of padding only leaves alpha_ma as it is; torch.where avoids a host sync per layer on GPU.
-            new = torch.lerp(mean, self.alpha_ma, self.options.momentum)  # rho * alpha_ma + (1 - rho) * mean
-            self.alpha_ma.copy_(torch.where(stats[-1] > 0, new, self.alpha_ma))
-            self._alpha_ma_used = self.alpha_ma.clone()
-        return self._alpha_ma_used
+            self.alpha_ma.fill_(a)
+        return a * super().retrofit()
 
     def prologue(self, x, token_mask):
         alpha = self.compute_alpha(x)
@@ -113,6 +151,8 @@ class AffineGatedAttention(GateMixin, AffineAttention):
 
     name = "affine_gated"
     Options = AffineGatedOptions
+    controls = ("scaled_softmax",)
+    display = Display("Affine-scaled + gated", OKABE_ITO["reddish_purple"], "P", (0, (5, 1)))
 
     def __init__(self, shape, options=None):
         super().__init__(shape, options)

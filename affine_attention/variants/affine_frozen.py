@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .affine import AffineAttention, AffineOptions
+from .base import OKABE_ITO, Display
 
 
 @dataclass(frozen=True)
@@ -23,4 +24,8 @@ class AffineFrozenAttention(AffineAttention):
 
     name = "affine_frozen"
     Options = AffineFrozenOptions
-    control = True
+    role = "control"
+    controls = ()
+    isolates = "the input dependence of α"
+    # grey and dashed so it reads as secondary next to the real method
+    display = Display("Affine-scaled (frozen α)", OKABE_ITO["grey"], "*", "--")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, Union
 
 from torch import Tensor, nn
 
@@ -25,6 +25,29 @@ class AttentionShape:
                 raise ValueError(f"AttentionShape.{name} must be a positive int, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+
+#: The Okabe-Ito palette: distinguishable under the common forms of colour blindness.
+OKABE_ITO = {
+    "black": "#000000", "orange": "#E69F00", "sky_blue": "#56B4E9", "bluish_green": "#009E73",
+    "yellow": "#F0E442", "blue": "#0072B2", "vermillion": "#D55E00", "reddish_purple": "#CC79A7",
+    "grey": "#999999",
+}
+
+Role = Literal["method", "baseline", "control"]
+
+
+@dataclass(frozen=True)
+class Display:
+    """How every figure and report draws a variant: legend label, colour (hex), matplotlib marker and line style.
+
+    Each registered variant has its own colour and its own marker (checked by the tests), so lines stay apart in
+    greyscale and for colour-blind readers."""
+
+    label: str
+    color: str
+    marker: str
+    linestyle: Union[str, tuple] = "-"
 
 
 @dataclass(frozen=True)
@@ -66,6 +89,22 @@ class AttentionVariant(nn.Module):
     uses_value_mean: ClassVar[bool] = False
     #: True when the variant needs the kernel's log-sum-exp (a sink).
     needs_lse: ClassVar[bool] = False
+
+    # --- facts the report, figures, metrics and compare read from the registry -----------------------------
+    #: "method": a proposal of the paper; "baseline": an attention it is compared with; "control": exists only to
+    #: separate a method's gain from something simpler (see `isolates`).
+    role: ClassVar[Role] = "baseline"
+    #: Controls this variant is compared with, paired by seed, when both are in a run.
+    controls: ClassVar[tuple[str, ...]] = ()
+    #: For a control: what "variant - this control" measures, in a few words.
+    isolates: ClassVar[str] = ""
+    display: ClassVar[Display] = Display("Softmax", OKABE_ITO["black"], "o", "-")
+    #: Per-token statistics logged every training step as <key>_mean and <key>_std per layer (see
+    #: `token_statistics`), key -> display label.
+    token_stats: ClassVar[dict[str, str]] = {}
+    #: Per-head state logged every step (mean over heads) and at every evaluation (per head) (see
+    #: `state_statistics`), key -> display label.
+    state_stats: ClassVar[dict[str, str]] = {}
 
     def __init__(self, shape: AttentionShape, options=None):
         super().__init__()
@@ -116,6 +155,23 @@ class AttentionVariant(nn.Module):
     def attend_reference(self, q, k, v, x, *, mask: dict[str, Any], scale):
         out, w = softmax_attention_reference(q, k, v, **mask, scale=scale, enable_gqa=self._gqa)
         return out, w, {}
+
+    # --- logged statistics (keys as declared in token_stats / state_stats) -------------------------------------
+    def token_statistics(self, x: Tensor) -> dict[str, Tensor]:
+        """x: (B, T, hidden) -> {key: (B, Hq, T)} per-token values of this layer, without updating any state."""
+        return {}
+
+    def state_statistics(self) -> dict[str, Tensor]:
+        """{key: (Hq,)} per-head parameters or running buffers (may be FSDP2 DTensors)."""
+        return {}
+
+    def retrofit(self) -> float:
+        """Put a freshly built module into its function-preserving state and return c > 0 such that its output then
+        equals c times softmax attention's (the caller folds 1 / c into the output projection).
+
+        Called by `convert(..., function_preserving=True)` on new modules only; every new parameter must still
+        receive gradient in that state. Variants that cannot preserve the function raise ValueError."""
+        return 1.0
 
     # --- helpers ------------------------------------------------------------------------------
     @property

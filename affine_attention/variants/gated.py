@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from .base import AttentionVariant
+from .base import OKABE_ITO, AttentionVariant, Display
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,16 @@ class GateMixin:
         g = torch.sigmoid(self.gate_proj(x))  # (B, T, Hq*D) or (B, T, Hq)
         return g.view(B, T, self.shape.num_heads, -1).transpose(1, 2)
 
+    def retrofit(self) -> float:
+        # gate_proj starts at zero: every gate is sigmoid(0) = 0.5 and still gets gradient.
+        return 0.5 * super().retrofit()
+
 
 class GatedAttention(GateMixin, AttentionVariant):
     name = "gated"
     Options = GatedOptions
+    controls = ("scaled_softmax",)
+    display = Display("Gated attention", OKABE_ITO["bluish_green"], "D", "-.")
 
     def __init__(self, shape, options=None):
         super().__init__(shape, options)

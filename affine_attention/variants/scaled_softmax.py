@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .base import AttentionVariant
+from .base import OKABE_ITO, AttentionVariant, Display
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,9 @@ class ScaledSoftmaxOptions:
 class ScaledSoftmaxAttention(AttentionVariant):
     name = "scaled_softmax"
     Options = ScaledSoftmaxOptions
-    control = True
+    role = "control"
+    isolates = "what the method adds beyond a constant 0.5 output scale"
+    display = Display("Scaled softmax", OKABE_ITO["orange"], "X", (0, (3, 1, 1, 1, 1, 1)))
 
     def __init__(self, shape, options=None):
         super().__init__(shape, options)
@@ -31,3 +33,9 @@ class ScaledSoftmaxAttention(AttentionVariant):
         if not self.options.learnable:
             return self.options.scale
         return self.output_scale.to(x.dtype)[None, :, None, None]
+
+    def retrofit(self) -> float:
+        if not self.options.scale > 0:
+            raise ValueError(f"scaled_softmax: scale = {self.options.scale} cannot preserve the model's function "
+                             "(1 / scale is folded into o_proj); use a positive scale")
+        return self.options.scale * super().retrofit()

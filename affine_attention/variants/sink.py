@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..ops import sink_attention, sink_attention_reference
-from .base import AttentionVariant
+from .base import OKABE_ITO, AttentionVariant, Display
 
 
 @dataclass(frozen=True)
@@ -15,9 +15,23 @@ class SinkOptions:
     init: float = 0.0  # initial sink logit; 0 makes the untrained sink exactly off-by-one
 
 
+# Sink logit of a function-preserving conversion. The sink takes sigmoid(s - lse) of each row's mass: 2e-9 at lse = 0,
+# but SmolLM2-135M has rows with lse near -10, so -20 changes its logits by up to 8.9e-4 (measured on 512 held-out
+# tokens; -15: 0.13, -25: 5.6e-5). Lower logits shrink the gradient (~ the sink's mass) below what one AdamW step
+# with eps = 1e-8 can move in float32 (-25 did not change in one step on the tiny test models): -20 is the trade.
+RETROFIT_SINK_LOGIT = -20.0
+
+
 class SinkAttention(AttentionVariant):
     name = "sink"
     Options = SinkOptions
+    display = Display("Attention sink", OKABE_ITO["blue"], "s", "--")
+    state_stats = {"sinks": "sink logit"}
+
+    def retrofit(self) -> float:
+        with torch.no_grad():
+            self.sinks.fill_(RETROFIT_SINK_LOGIT)
+        return super().retrofit()
 
     def __init__(self, shape, options=None):
         super().__init__(shape, options)
@@ -25,6 +39,9 @@ class SinkAttention(AttentionVariant):
 
     def _sink_logits(self):
         return self.sinks
+
+    def state_statistics(self):
+        return {"sinks": self.sinks}
 
     def attend(self, q, k, v, x, *, mask, scale, token_mask, v_mean, backend):
         return sink_attention(q, k, v, self._sink_logits().to(q.device), **mask, scale=scale, enable_gqa=self._gqa,
@@ -44,9 +61,19 @@ class OffByOneAttention(SinkAttention):
 
     name = "off_by_one"
     Options = AttentionVariant.Options
+    display = Display("Off-by-one softmax", OKABE_ITO["sky_blue"], "v", ":")
+    state_stats = {}  # the sink logit is a constant 0
 
     def __init__(self, shape, options=None):
         AttentionVariant.__init__(self, shape, options)
 
+    def retrofit(self) -> float:
+        raise ValueError("off_by_one adds a fixed +1 to every softmax denominator and has no parameter that could "
+                         "start it at plain softmax, so it cannot preserve a model's function; use 'sink' (a "
+                         "learnable logit that starts at a negligible mass) or function_preserving=False")
+
     def _sink_logits(self):
         return torch.zeros(self.shape.num_heads)
+
+    def state_statistics(self):
+        return {}

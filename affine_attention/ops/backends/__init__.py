@@ -15,11 +15,12 @@ from torch import Tensor
 from ..masks import MaskSpec
 from .base import Backend, Call, KernelAttention
 from .cpu_flash import CpuFlashBackend
+from .cuda_flash import CudaFlashBackend
 from .exact import ExactBackend
 from .sdpa import SdpaBackend
 
 # Preference order: fastest first, the exact fallback (any mask, device and dtype) last.
-BACKENDS: list[Backend] = [SdpaBackend(), CpuFlashBackend(), ExactBackend()]
+BACKENDS: list[Backend] = [SdpaBackend(), CudaFlashBackend(), CpuFlashBackend(), ExactBackend()]
 
 _forced = threading.local()
 

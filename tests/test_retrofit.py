@@ -1,0 +1,81 @@
+"""Function-preserving conversion (a retrofit): same logits as the unconverted model, every new parameter trainable,
+the choice recorded in the saved config and kept through save / load / generate."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_hf_common import FAMILIES, VOCAB, tiny
+from transformers import AutoModelForCausalLM
+
+import affine_attention
+from affine_attention.variants import variant_names
+
+PRESERVABLE = [v for v in variant_names() if v != "off_by_one"]
+# The sink keeps a logit of -20: a mass of sigmoid(-20 - lse) per row (SmolLM2-135M: up to 8.9e-4 in a logit).
+TOL = {"sink": 2e-6}
+
+
+def _ids(seed=0, shape=(2, 13)):
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("variant", PRESERVABLE)
+def test_logits_kept_and_every_new_parameter_trains(family, variant):
+    base = tiny(family)
+    ids = _ids()
+    with torch.no_grad():
+        ref = base(input_ids=ids).logits
+    model = affine_attention.convert(tiny(family), variant, function_preserving=True)
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, ref, rtol=0, atol=TOL.get(variant, 1e-5))
+
+    new = {n: p.detach().clone() for n, p in model.named_parameters() if ".attn_variant." in n}
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    opt.step()
+    for name, before in new.items():
+        after = dict(model.named_parameters())[name]
+        assert not torch.equal(after.detach(), before), f"{name} did not change in one training step"
+
+
+def test_recorded_and_round_trips(tmp_path):
+    model = affine_attention.convert(tiny("llama"), "affine_gated", function_preserving=True)
+    assert model.config.affine_attention["retrofit"] == {"function_preserving": True, "o_proj_scale": 4.0}
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.affine_attention["retrofit"] == {"function_preserving": True, "o_proj_scale": 4.0}
+    ids = _ids(1, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    a = model.generate(ids, max_new_tokens=6, do_sample=False)
+    b = loaded.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(a, b)
+    for name, buf in model.named_buffers():
+        if name.endswith("alpha_ma"):
+            assert torch.equal(buf, torch.full_like(buf, 0.5)) and torch.equal(dict(loaded.named_buffers())[name], buf)
+
+
+def test_default_keeps_the_papers_init():
+    model = affine_attention.convert(tiny("llama"), "affine")
+    assert "retrofit" not in model.config.affine_attention
+    assert all(float(b.abs().max()) == 0 for n, b in model.named_buffers() if n.endswith("alpha_ma"))
+
+
+@pytest.mark.parametrize("variant, options, match", [
+    ("off_by_one", {}, "cannot preserve a model's function; use 'sink'"),
+    ("affine_frozen", {"frozen_alpha": 0.0}, "frozen_alpha = 0.0 scales attention to zero"),
+    ("scaled_softmax", {"scale": 0.0}, "scale = 0.0 cannot preserve"),
+])
+def test_refused_before_anything_changes(variant, options, match):
+    model = tiny("qwen2")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        affine_attention.convert(model, variant, function_preserving=True, **options)
+    assert not hasattr(model.model.layers[0].self_attn, "attn_variant")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="function_preserving must be True or False"):
+        affine_attention.convert(tiny("qwen2"), "affine", function_preserving="yes")
