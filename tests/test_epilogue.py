@@ -20,6 +20,17 @@ from conftest import make_qkv
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _assert_same_grads(out, ref, inputs, w=None, tol=1e-10):
+    """Outputs and the gradient of every input (None where unused on both sides) agree within tol."""
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    w = torch.randn_like(out) if w is None else w
+    for a, b in zip(torch.autograd.grad(out, inputs, w, allow_unused=True),
+                    torch.autograd.grad(ref, inputs, w, allow_unused=True)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
 def _formula(o, a, am, m, g):
     """The readable epilogue: g * (a * o + (alpha_ma - a) * m), m repeated over each query group."""
     y = o
@@ -55,12 +66,7 @@ def test_eager_epilogue_matches_autograd_of_the_formula(case):
     ops = _operands(B, Hq, Hm, T, Tm, D, gs, affine)
     o, a, am, m, g = ops
     out = epilogue(o, alpha=a, alpha_ma=am, v_mean=m, gate=g, impl="eager")
-    ref = _formula(*ops)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    inputs = [t for t in ops if t is not None]
-    w = torch.randn_like(out)
-    for x, y in zip(torch.autograd.grad(out, inputs, w), torch.autograd.grad(ref, inputs, w)):
-        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    _assert_same_grads(out, _formula(*ops), [t for t in ops if t is not None], tol=1e-12)
     torch.autograd.gradcheck(lambda *t: epilogue(t[0], alpha=t[1], alpha_ma=t[2], v_mean=t[3], gate=t[4],
                                                  impl="eager"), ops)
 
@@ -106,11 +112,7 @@ def test_op_with_gate_matches_reference_outputs_and_every_gradient(gate, Hkv, T,
     out = attention_with_epilogue(q, k, v, alpha=alpha, alpha_ma=alpha_ma, gate=g, **kw)
     ref = affine_scaled_attention_reference(q, k, v, alpha, alpha_ma, **kw)[0]
     ref = ref if g is None else ref * g
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
-    inputs = [t for t in (q, k, v, alpha, alpha_ma, g) if t is not None]
-    w = torch.randn_like(out)
-    for x, y in zip(torch.autograd.grad(out, inputs, w), torch.autograd.grad(ref, inputs, w)):
-        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
+    _assert_same_grads(out, ref, [t for t in (q, k, v, alpha, alpha_ma, g) if t is not None])
 
 
 def test_sink_with_gate_runs_through_the_kernel_then_the_epilogue():
@@ -120,10 +122,7 @@ def test_sink_with_gate_runs_through_the_kernel_then_the_epilogue():
     g = _gate("elementwise", B, Hq, T, D)
     out = attention_with_epilogue(q, k, v, sinks=sinks, gate=g, is_causal=True, enable_gqa=True)
     ref = sink_attention_reference(q, k, v, sinks, is_causal=True, enable_gqa=True)[0] * g
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
-    inputs = [q, k, v, sinks, g]
-    for x, y in zip(torch.autograd.grad(out.sum(), inputs), torch.autograd.grad(ref.sum(), inputs)):
-        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
+    _assert_same_grads(out, ref, [q, k, v, sinks, g])
 
 
 def test_precomputed_v_mean_gets_its_gradient():
@@ -162,15 +161,7 @@ def test_variants_run_one_epilogue_and_match_their_reference(name, options, T, S
     out = m(q, k, v, x, is_causal=True)
     # The gate, the per-head scale and the affine combine are one autograd node, not a chain of eager passes.
     assert type(out.grad_fn).__name__ == "_EpilogueBackward"
-    ref = m.reference(q, k, v, x, is_causal=True)[0]
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
-    inputs = [q, k, v, x] + list(m.parameters())
-    w = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, inputs, w, allow_unused=True),
-                    torch.autograd.grad(ref, inputs, w, allow_unused=True)):
-        assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    _assert_same_grads(out, m.reference(q, k, v, x, is_causal=True)[0], [q, k, v, x] + list(m.parameters()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

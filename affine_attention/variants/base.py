@@ -135,7 +135,7 @@ class AttentionVariant(nn.Module):
 
     # --- what subclasses override -------------------------------------------------------------
     def prologue(self, x: Tensor, token_mask: Tensor | None) -> Prologue:
-        """Per-token inputs from x: (B, T, hidden); called once per forward (it may step running statistics)."""
+        """Per-token inputs from x: (B, T, hidden); called once per forward (it may accumulate running statistics)."""
         return Prologue(gate=self.output_gate(x))
 
     def output_gate(self, x: Tensor) -> Tensor | float | None:
