@@ -14,8 +14,8 @@ from affine_attention.ops import affine_scaled_attention, affine_scaled_attentio
 from affine_attention.ops import sink_attention_reference
 from affine_attention.ops.affine import attention_with_epilogue
 from affine_attention.ops.epilogue import epilogue, select_impl, use_epilogue
-from affine_attention.variants import AttentionShape, build_variant
 from conftest import make_qkv
+from test_variants import _perturbed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -139,7 +139,6 @@ def test_precomputed_v_mean_gets_its_gradient():
     torch.testing.assert_close(dm, b[..., None].expand(B, Hkv, 1, D))
 
 
-SHAPE = AttentionShape(hidden_size=24, num_heads=4, num_kv_heads=2, head_dim=8)
 VARIANTS = [("gated", {}), ("gated", {"gate": "headwise"}), ("affine", {}), ("affine_gated", {}),
             ("affine_gated", {"gate": "headwise"}), ("scaled_softmax", {}), ("scaled_softmax", {"learnable": True}),
             ("affine_frozen", {})]
@@ -148,13 +147,7 @@ VARIANTS = [("gated", {}), ("gated", {"gate": "headwise"}), ("affine", {}), ("af
 @pytest.mark.parametrize("name, options", VARIANTS, ids=[f"{n}-{o}" for n, o in VARIANTS])
 @pytest.mark.parametrize("T, S", [(6, 11), (10, 10)])
 def test_variants_run_one_epilogue_and_match_their_reference(name, options, T, S):
-    m = build_variant(name, SHAPE, **options).double()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
-        if hasattr(m, "alpha_ma"):
-            m.alpha_ma.copy_(torch.rand_like(m.alpha_ma))
-    m.eval()
+    m = _perturbed(name, options)  # new parameters and alpha_ma away from their init, in eval mode
     B = 2
     q, k, v = make_qkv(B, 4, 2, T, S, 8)
     x = torch.randn(B, T, 24, dtype=torch.float64, requires_grad=True)
