@@ -1,17 +1,18 @@
 """Affine-Scaled Attention, fast path: out_i = alpha_i * Attn_i + (alpha_ma - alpha_i) * mean of visible V.
 
 The identity holds because beta_i = (alpha_ma - alpha_i) / N_i is added to each of the N_i visible keys, so
-any softmax kernel plus a masked mean of V (prefix sums under a causal mask) gives the exact result.
+any softmax kernel plus a masked mean of V (prefix sums under a causal mask) gives the exact result. The combine
+runs in the variant epilogue (epilogue.py), which also applies an output gate in the same pass.
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from .._compat import float_acc
 from ._validate import check_bias_norm, check_per_head, check_per_query, check_qkv, check_scale
 from .backends import attention as kernel_attention
-from .masks import parse_mask, visible_sum_and_count
+from .epilogue import epilogue
+from .masks import parse_mask
+from .value_mean import ValueMean
 
 
 def affine_scaled_attention(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, alpha_ma: Tensor, *,
@@ -31,25 +32,49 @@ def affine_scaled_attention(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, alph
     cache's running sum; it replaces the masked mean and must follow the same bias_norm.
     A query that sees no key returns zeros.
     """
+    return attention_with_epilogue(q, k, v, alpha=alpha, alpha_ma=alpha_ma, attn_mask=attn_mask,
+                                   is_causal=is_causal, scale=scale, bias_norm=bias_norm, enable_gqa=enable_gqa,
+                                   window=window, document_ids=document_ids, backend=backend, v_mean=v_mean)
+
+
+def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | None = None,
+                            alpha_ma: Tensor | None = None, gate: Tensor | float | None = None,
+                            sinks: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
+                            scale: float | None = None, bias_norm: str = "visible", enable_gqa: bool = False,
+                            window: int | None = None, document_ids: Tensor | None = None,
+                            backend: str | None = None, v_mean: Tensor | None = None,
+                            epilogue_impl: str | None = None) -> Tensor:
+    """Every variant's fast path: a softmax kernel (with the sink when sinks is given), then one epilogue pass.
+
+    q: (B, Hq, T, D); k, v: (B, Hkv, S, D); alpha: (B, Hq, T) with alpha_ma: (Hq,) for the affine part (or
+    neither); gate: broadcastable to (B, Hq, T, D) or a float (see epilogue.epilogue); sinks: (Hq,) logits.
+    Masks, scale, bias_norm, backend and v_mean as affine_scaled_attention; epilogue_impl forces "eager" or
+    "triton". Returns (B, Hq, T, D) in q's dtype.
+    """
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
-    check_per_query("alpha", alpha, B, Hq, T)
-    check_per_head("alpha_ma", alpha_ma, Hq)
+    if (alpha is None) != (alpha_ma is None):
+        raise ValueError("alpha (B, Hq, T) and alpha_ma (Hq,) come together (the affine part) or not at all")
+    if alpha is not None:
+        check_per_query("alpha", alpha, B, Hq, T)
+        check_per_head("alpha_ma", alpha_ma, Hq)
+    elif v_mean is not None:
+        raise ValueError("v_mean is the affine bias term's mean of V: it needs alpha and alpha_ma")
+    if sinks is not None:
+        check_per_head("sinks", sinks, Hq)
     check_bias_norm(bias_norm)
     scale = check_scale(scale, D)
     mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device, window=window, document_ids=document_ids)
-
-    attn, _ = kernel_attention(q, k, v, mask, scale, backend=backend)
-    acc = float_acc(q.dtype)
-    if v_mean is None:
-        total, count = visible_sum_and_count(v, mask, Hq)
-        denom = count if bias_norm == "visible" else count.new_full((), float(S))
-        v_mean = total / denom.clamp(min=1)
-    elif v_mean.dim() != 4 or v_mean.shape[0] != B or v_mean.shape[-1] != D or v_mean.shape[-2] not in (1, T) \
-            or v_mean.shape[1] not in (Hkv, Hq):
+    if v_mean is not None and (v_mean.dim() != 4 or v_mean.shape[0] != B or v_mean.shape[-1] != D
+                               or v_mean.shape[-2] not in (1, T) or v_mean.shape[1] not in (Hkv, Hq)):
         raise ValueError(f"v_mean must have shape (B, Hkv, T, D) = {(B, Hkv, T, D)}, got {tuple(v_mean.shape)}")
-    a = alpha.to(acc)[..., None]  # (B, Hq, T, 1)
-    b = alpha_ma.to(acc)[None, :, None, None] - a
-    G = Hq // v_mean.shape[1]
-    # Broadcast the per-KV-head mean over its query group without copying it; one fused multiply-add after.
-    bias_term = (b.view(B, Hq // G, G, T, 1) * v_mean.to(acc)[:, :, None]).view(B, Hq, T, D)
-    return torch.addcmul(bias_term, a, attn.to(acc)).to(q.dtype)
+
+    out, _ = kernel_attention(q, k, v, mask, scale, sinks=sinks, backend=backend)
+    if alpha is None:
+        return epilogue(out, gate=gate, impl=epilogue_impl)
+    if v_mean is None:
+        mean = ValueMean(mask, Hq, bias_norm)
+        if mean.has_transpose:
+            # Prefix-sum masks: the epilogue recomputes the mean from v in backward instead of saving it.
+            return epilogue(out, alpha=alpha, alpha_ma=alpha_ma, v=v, mean=mean, gate=gate, impl=epilogue_impl)
+        v_mean = mean(v)  # other masks: differentiated by autograd, kept for backward
+    return epilogue(out, alpha=alpha, alpha_ma=alpha_ma, v_mean=v_mean, gate=gate, impl=epilogue_impl)

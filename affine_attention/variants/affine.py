@@ -7,9 +7,9 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from ..ops import affine_scaled_attention, affine_scaled_attention_reference
+from ..ops import affine_scaled_attention_reference
 from . import running_stats
-from .base import OKABE_ITO, AttentionVariant, Display
+from .base import OKABE_ITO, AttentionVariant, Display, Prologue
 from .gated import GateMixin, GatedOptions
 
 
@@ -129,12 +129,10 @@ class AffineAttention(AttentionVariant):
             self.alpha_ma.fill_(a)
         return a * super().retrofit()
 
-    def attend(self, q, k, v, x, *, mask, scale, token_mask, v_mean, backend):
+    def prologue(self, x, token_mask):
         alpha = self.compute_alpha(x)
-        alpha_ma = self._alpha_ma_for_forward(alpha, token_mask)
-        return affine_scaled_attention(q, k, v, alpha, alpha_ma, **mask, scale=scale,
-                                       bias_norm=self.options.bias_norm, enable_gqa=self._gqa, v_mean=v_mean,
-                                       backend=backend)
+        return Prologue(alpha=alpha, alpha_ma=self._alpha_ma_for_forward(alpha, token_mask),
+                        gate=self.output_gate(x), bias_norm=self.options.bias_norm)
 
     def attend_reference(self, q, k, v, x, *, mask, scale):
         alpha = self.compute_alpha(x).to(q.dtype)

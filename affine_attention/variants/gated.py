@@ -17,7 +17,7 @@ class GatedOptions:
 
 
 class GateMixin:
-    """Adds `gate_proj` (no bias, zero init: every gate starts at sigmoid(0) = 0.5) and applies it in finish()."""
+    """Adds `gate_proj` (no bias, zero init: every gate starts at sigmoid(0) = 0.5); the epilogue applies the gate."""
 
     def _init_gate(self) -> None:
         s = self.shape
@@ -25,12 +25,11 @@ class GateMixin:
         self.gate_proj = nn.Linear(s.hidden_size, width, bias=False)
         nn.init.zeros_(self.gate_proj.weight)
 
-    def finish(self, out: Tensor, x: Tensor) -> Tensor:
-        """out: (B, Hq, T, D), x: (B, T, hidden) -> gated (B, Hq, T, D)."""
-        B, Hq, T, D = out.shape
+    def output_gate(self, x: Tensor) -> Tensor:
+        """x: (B, T, hidden) -> gate (B, Hq, T, D) elementwise or (B, Hq, T, 1) headwise (a view, no copy)."""
+        B, T, _ = x.shape
         g = torch.sigmoid(self.gate_proj(x))  # (B, T, Hq*D) or (B, T, Hq)
-        g = g.view(B, T, Hq, -1).transpose(1, 2)  # (B, Hq, T, D|1)
-        return super().finish(out * g.to(out.dtype), x)
+        return g.view(B, T, self.shape.num_heads, -1).transpose(1, 2)
 
     def retrofit(self) -> float:
         # gate_proj starts at zero: every gate is sigmoid(0) = 0.5 and still gets gradient.

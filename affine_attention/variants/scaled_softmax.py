@@ -27,11 +27,12 @@ class ScaledSoftmaxAttention(AttentionVariant):
         if self.options.learnable:
             self.output_scale = nn.Parameter(torch.full((shape.num_heads,), self.options.scale))
 
-    def finish(self, out: Tensor, x: Tensor) -> Tensor:
-        """out: (B, Hq, T, D) scaled per head (a plain float when constant: no buffer to lose on meta init)."""
+    def output_gate(self, x: Tensor) -> Tensor | float:
+        """The per-head output scale as the epilogue's gate: (1, Hq, 1, 1), or a plain float when constant (no
+        buffer to lose on meta init)."""
         if not self.options.learnable:
-            return out * self.options.scale
-        return out * self.output_scale.to(out.dtype)[None, :, None, None]
+            return self.options.scale
+        return self.output_scale.to(x.dtype)[None, :, None, None]
 
     def retrofit(self) -> float:
         if not self.options.scale > 0:
