@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..ops import sink_attention, sink_attention_reference
-from .base import OKABE_ITO, AttentionVariant, Display
+from ..ops import sink_attention_reference
+from .base import OKABE_ITO, AttentionVariant, Display, Prologue
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ RETROFIT_SINK_LOGIT = -20.0
 class SinkAttention(AttentionVariant):
     name = "sink"
     Options = SinkOptions
+    needs_lse = True
     display = Display("Attention sink", OKABE_ITO["blue"], "s", "--")
     state_stats = {"sinks": "sink logit"}
 
@@ -43,9 +44,9 @@ class SinkAttention(AttentionVariant):
     def state_statistics(self):
         return {"sinks": self.sinks}
 
-    def attend(self, q, k, v, x, *, mask, scale, token_mask, v_mean, backend):
-        return sink_attention(q, k, v, self._sink_logits().to(q.device), **mask, scale=scale, enable_gqa=self._gqa,
-                              backend=backend)
+    def prologue(self, x, token_mask):
+        # The sink lives inside the kernel (its gradient needs the kernel's backward), not in the epilogue.
+        return Prologue(sinks=self._sink_logits().to(x.device), gate=self.output_gate(x))
 
     def attend_reference(self, q, k, v, x, *, mask, scale):
         out, w = sink_attention_reference(q, k, v, self._sink_logits().to(q.device, q.dtype), **mask, scale=scale,
