@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .._compat import float_acc
-from ._validate import check_bias_norm, check_per_head, check_per_query, check_qkv, check_scale
+from ._validate import check_bias_norm, check_per_head, check_per_query, check_qkv, check_scale, check_v_mean
 from .backends import attention as kernel_attention
 from .masks import parse_mask, visible_sum_and_count
 
@@ -32,8 +32,8 @@ def affine_scaled_attention(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, alph
     A query that sees no key returns zeros.
     """
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
-    check_per_query("alpha", alpha, B, Hq, T)
-    check_per_head("alpha_ma", alpha_ma, Hq)
+    check_per_query("alpha", alpha, B, Hq, T, q.device)
+    check_per_head("alpha_ma", alpha_ma, Hq, q.device)
     check_bias_norm(bias_norm)
     scale = check_scale(scale, D)
     mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device, window=window, document_ids=document_ids)
@@ -44,9 +44,8 @@ def affine_scaled_attention(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, alph
         total, count = visible_sum_and_count(v, mask, Hq)
         denom = count if bias_norm == "visible" else count.new_full((), float(S))
         v_mean = total / denom.clamp(min=1)
-    elif v_mean.dim() != 4 or v_mean.shape[0] != B or v_mean.shape[-1] != D or v_mean.shape[-2] not in (1, T) \
-            or v_mean.shape[1] not in (Hkv, Hq):
-        raise ValueError(f"v_mean must have shape (B, Hkv, T, D) = {(B, Hkv, T, D)}, got {tuple(v_mean.shape)}")
+    else:
+        check_v_mean(v_mean, B, Hq, Hkv, T, D, q.device)
     a = alpha.to(acc)[..., None]  # (B, Hq, T, 1)
     b = alpha_ma.to(acc)[None, :, None, None] - a
     G = Hq // v_mean.shape[1]

@@ -19,7 +19,7 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, *, attn_mask:
     Mask semantics (attn_mask, is_causal, window, document_ids) and backend as affine_scaled_attention.
     """
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
-    check_per_head("sinks", sinks, Hq)
+    check_per_head("sinks", sinks, Hq, q.device)
     scale = check_scale(scale, D)
     mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device, window=window, document_ids=document_ids)
     return kernel_attention(q, k, v, mask, scale, sinks=sinks, backend=backend)[0]
