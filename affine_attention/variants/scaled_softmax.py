@@ -16,8 +16,8 @@ class ScaledSoftmaxOptions:
     learnable: bool = False  # one learnable scalar per head, initialised to `scale`
 
     def __post_init__(self):
-        if not (math.isfinite(self.scale) and self.scale > 0):
-            raise ValueError(f"scaled_softmax: option 'scale' must be a finite positive number, got {self.scale}")
+        if not (math.isfinite(self.scale) and self.scale >= 0):
+            raise ValueError(f"scaled_softmax: option 'scale' must be a finite number >= 0, got {self.scale}")
 
 
 class ScaledSoftmaxAttention(AttentionVariant):
