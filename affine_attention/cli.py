@@ -26,13 +26,31 @@ def _add_compare(sub) -> None:
     c.add_argument("--seeds", type=int, default=None, help="number of seeds (default: compare.seeds)")
     c.add_argument("--no-report", dest="report", action="store_false",
                    help="skip report.md / report.html (regenerate later with `affine-attention report RUN_DIR`)")
+    c.add_argument("--tasks", default=None, help="zero-shot tasks for every final checkpoint (lm-eval names, "
+                   "comma-separated; 'paper' = the paper's six, which need the Hub or a datasets cache); they join "
+                   "Table 1 and the Claims table. Offline fixture tasks are refused: they are not accuracies")
+    c.add_argument("--include-path", action="append", default=None, metavar="DIR",
+                   help="folder of your own lm-eval task YAMLs for --tasks (repeatable)")
+    c.add_argument("--tasks-limit", type=float, default=None, metavar="N",
+                   help="at most N documents per task (a smoke test: not comparable with published numbers)")
     c.set_defaults(func=_compare)
 
 
 def _compare(args) -> int:
     from .train.cli import run_compare
 
+    if args.tasks:
+        from .eval.runs import check_tasks
+
+        check_tasks(args.tasks)  # before any training: a typo or a fixture task must not cost the whole run
     out, main = run_compare(args)
+    if main and args.tasks:
+        from .eval.runs import evaluate_run
+
+        limit = args.tasks_limit
+        evaluate_run(out, args.tasks, include_path=args.include_path,
+                     limit=int(limit) if limit is not None and limit >= 1 else limit,
+                     log=lambda m: print(m, file=sys.stderr, flush=True))
     if main:
         if args.report:
             try:

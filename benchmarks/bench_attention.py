@@ -1,8 +1,11 @@
 """Attention benchmark: each variant's fast path and the reference path, as time ratios to plain SDPA measured in
-the same run (forward and forward+backward), peak memory, and the cost of one cached decoding step.
+the same run (forward and forward+backward), peak memory, the cost of one cached decoding step, sliding-window and
+packed-document masks (ratios to softmax on the same mask and to plain causal SDPA), and the float32 error of the
+affine mean of V under those masks at long S (centred prefix sums vs a naive uncentred prefix difference).
 
     python benchmarks/bench_attention.py            # full table (tens of minutes on 2 CPU cores)
     python benchmarks/bench_attention.py --quick    # a short smoke run
+    python benchmarks/bench_attention.py --only masks prefix_error --lengths 4096   # the structured-mask tables
 """
 from __future__ import annotations
 
@@ -13,15 +16,19 @@ import statistics
 import sys
 
 import torch
+from torch import Tensor
 from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import paired_ratios, peak_memory_bytes, time_once  # noqa: E402
+from common import median_ratio, paired_ratios, paired_times, peak_memory_bytes, time_once  # noqa: E402
 
 from affine_attention.ops import (  # noqa: E402
     affine_scaled_attention, affine_scaled_attention_reference, sink_attention, sink_attention_reference,
+    softmax_attention,
 )
+from affine_attention.ops.masks import parse_mask, visible_sum_and_count  # noqa: E402
 
+SECTIONS = ("prefill", "decode", "masks", "prefix_error")
 REFERENCE_MAX_T = 2048  # the reference materialises (B, H, T, T) weights: beyond this it only measures swap
 
 
@@ -123,16 +130,116 @@ def bench_decode(args, device):
     return out
 
 
+def structured_masks(T: int, window: int, documents: int) -> dict[str, dict]:
+    """The op keywords of each structured mask benchmarked: a sliding window and equal packed documents."""
+    return {f"window {window}": dict(is_causal=True, window=window),
+            f"{documents} documents": dict(is_causal=True, document_ids=(torch.arange(T) * documents // T)[None])}
+
+
+def bench_masks(args, device):
+    """Forward+backward under each structured mask: affine and sink as ratios to softmax on the same mask and to
+    plain causal SDPA (no window, no documents), all timed in the same repeats."""
+    rows = []
+    for dtype in args.dtypes:
+        for hkv in args.kv_heads:
+            for T in args.lengths:
+                q, k, v, alpha, alpha_ma, sinks = make_inputs(args.batch, args.heads, hkv, T, args.head_dim, dtype,
+                                                              device, True)
+                gqa = hkv != args.heads
+                leaves = (q, k, v, alpha, sinks)
+
+                def fwd_bwd(f):
+                    def go():
+                        for t in leaves:
+                            t.grad = None
+                        out = f()
+                        out.backward(torch.ones_like(out))
+                    return go
+
+                methods = {"sdpa": fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                   enable_gqa=gqa))}
+                masks = structured_masks(T, args.window, args.documents)
+                for name, kw in masks.items():
+                    methods[f"softmax|{name}"] = fwd_bwd(lambda kw=kw: softmax_attention(q, k, v, enable_gqa=gqa, **kw))
+                    methods[f"affine|{name}"] = fwd_bwd(lambda kw=kw: affine_scaled_attention(
+                        q, k, v, alpha, alpha_ma, enable_gqa=gqa, **kw))
+                    methods[f"sink|{name}"] = fwd_bwd(lambda kw=kw: sink_attention(q, k, v, sinks, enable_gqa=gqa,
+                                                                                   **kw))
+                times = paired_times(methods, device, args.repeats)
+                for name in masks:
+                    row = {"dtype": str(dtype).replace("torch.", ""), "heads": f"{args.heads}/{hkv}", "T": T,
+                           "mask": name, "sdpa_ms": statistics.median(times["sdpa"]) * 1e3,
+                           "softmax_ms": statistics.median(times[f"softmax|{name}"]) * 1e3}
+                    for op in ("softmax", "affine", "sink"):
+                        row[f"{op}/sdpa"] = median_ratio(times, f"{op}|{name}", "sdpa")
+                    for op in ("affine", "sink"):
+                        row[f"{op}/softmax"] = median_ratio(times, f"{op}|{name}", f"softmax|{name}")
+                    rows.append(row)
+                    print(format_row(row), flush=True)
+    return rows
+
+
+def _naive_mean(v: Tensor, mask) -> Tensor:
+    """The uncentred form: one prefix sum over all of S, differenced at each query's key range (B = 1)."""
+    lo, hi = (r[0] for r in mask.key_ranges(v.device))
+    prefix = torch.cat([torch.zeros_like(v[:, :, :1]), v.cumsum(2)], dim=2)
+    return (prefix[:, :, hi] - prefix[:, :, lo]) / (hi - lo).clamp(min=1)[None, None, :, None].to(v.dtype)
+
+
+def bench_prefix_error(args):
+    """Max |float32 - float64| of the affine mean of V (B = 1, one head, D = head_dim) under each structured mask,
+    centred (the library) vs uncentred, for V = N(0, 1) + offset: a common offset is what makes prefix sums drift."""
+    rows = []
+    for S in args.error_lengths:
+        g = torch.Generator().manual_seed(0)
+        base = torch.randn(1, 1, S, args.head_dim, generator=g, dtype=torch.float64)
+        for offset in args.error_offsets:
+            v = base + offset
+            for name, kw in structured_masks(S, args.window, args.documents).items():
+                mask = parse_mask(None, True, 1, 1, S, S, v.device, window=kw.get("window"),
+                                  document_ids=kw.get("document_ids"))
+                with torch.no_grad():
+                    t64, c64 = visible_sum_and_count(v, mask, 1)
+                    t32, c32 = visible_sum_and_count(v.float(), mask, 1)
+                    exact = t64 / c64
+                    row = {"S": S, "offset": offset, "mask": name,
+                           "centred": ((t32 / c32).double() - exact).abs().max().item(),
+                           "uncentred": (_naive_mean(v.float(), mask).double() - exact).abs().max().item()}
+                rows.append(row)
+                print(" | ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                      flush=True)
+    return rows
+
+
 def format_row(row):
     return " | ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
 
 
-def markdown(rows, decode_rows, device):
+def markdown_masks(rows, error_rows):
+    lines = []
+    if rows:
+        lines += ["", "| dtype | Hq/Hkv | T | mask (fwd+bwd) | causal SDPA ms | softmax ms | softmax / SDPA | "
+                      "affine / softmax | sink / softmax | affine / SDPA | sink / SDPA |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['dtype']} | {r['heads']} | {r['T']} | {r['mask']} | {r['sdpa_ms']:.1f} | "
+                         f"{r['softmax_ms']:.1f} | {r['softmax/sdpa']:.3f}x | {r['affine/softmax']:.3f}x | "
+                         f"{r['sink/softmax']:.3f}x | {r['affine/sdpa']:.3f}x | {r['sink/sdpa']:.3f}x |")
+    if error_rows:
+        lines += ["", "| S | V offset | mask | max abs error of the float32 mean, centred | uncentred |",
+                  "|---|---|---|---|---|"]
+        for r in error_rows:
+            lines.append(f"| {r['S']} | {r['offset']:g} | {r['mask']} | {r['centred']:.1e} | {r['uncentred']:.1e} |")
+    return lines
+
+
+def markdown(rows, decode_rows, device, mask_rows=(), error_rows=()):
     names = ["affine", "sink", "affine_reference", "sink_reference"]
-    lines = [f"Device: {device}, threads: {torch.get_num_threads()}, torch {torch.__version__}", "",
-             "| dtype | Hq/Hkv | T | pass | SDPA ms | " + " | ".join(f"{n} / SDPA" for n in names)
-             + " | peak mem affine / SDPA | peak mem sink / SDPA |",
-             "|---|---|---|---|---|" + "---|" * (len(names) + 2)]
+    lines = [f"Device: {device}, threads: {torch.get_num_threads()}, torch {torch.__version__}"]
+    if rows:
+        lines += ["", "| dtype | Hq/Hkv | T | pass | SDPA ms | " + " | ".join(f"{n} / SDPA" for n in names)
+                  + " | peak mem affine / SDPA | peak mem sink / SDPA |",
+                  "|---|---|---|---|---|" + "---|" * (len(names) + 2)]
     for r in rows:
         ratios = " | ".join(f"{r[n]:.3f}x" if n in r else "—" for n in names)
         mem = " | ".join(f"{r[f'mem_{n}'] / r['mem_sdpa']:.2f}x ({r[f'mem_{n}'] / 2**20:.0f} MiB)"
@@ -144,7 +251,7 @@ def markdown(rows, decode_rows, device):
         for r in decode_rows:
             lines.append(f"| {r['S']} | {r['sdpa_us']:.1f} | {r['affine_running_sum_extra_us']:+.1f} | "
                          f"{r['affine_resum_extra_us']:+.1f} | {r['sink_extra_us']:+.1f} |")
-    return "\n".join(lines)
+    return "\n".join(lines + markdown_masks(mask_rows, error_rows))
 
 
 def main(argv=None):
@@ -161,16 +268,28 @@ def main(argv=None):
     p.add_argument("--decode-lengths", type=int, nargs="+", default=[256, 1024, 4096, 8192])
     p.add_argument("--decode-repeats", type=int, default=15)
     p.add_argument("--no-memory", dest="memory", action="store_false")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice); 1 keeps a loaded "
+                   "machine's descheduled worker threads from stalling every parallel region")
+    p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="sections to run")
+    p.add_argument("--window", type=int, default=512, help="sliding window of the structured-mask rows")
+    p.add_argument("--documents", type=int, default=8, help="equal packed documents of the structured-mask rows")
+    p.add_argument("--error-lengths", type=int, nargs="+", default=[4096, 32768, 131072])
+    p.add_argument("--error-offsets", type=float, nargs="+", default=[0.0, 3.0])
     p.add_argument("--out", help="also write the markdown table here")
     args = p.parse_args(argv)
     if args.quick:
         args.lengths, args.dtypes, args.kv_heads, args.repeats = [256, 1024], ["float32"], [2], 3
         args.decode_lengths, args.decode_repeats = [256, 1024], 5
+        args.window, args.documents, args.error_lengths = 128, 4, [4096]
     args.dtypes = [getattr(torch, d) for d in args.dtypes]
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    rows = bench_prefill(args, device)
-    decode_rows = bench_decode(args, device)
-    table = markdown(rows, decode_rows, device)
+    rows = bench_prefill(args, device) if "prefill" in args.only else []
+    decode_rows = bench_decode(args, device) if "decode" in args.only else []
+    mask_rows = bench_masks(args, device) if "masks" in args.only else []
+    error_rows = bench_prefix_error(args) if "prefix_error" in args.only else []
+    table = markdown(rows, decode_rows, device, mask_rows, error_rows)
     print("\n" + table)
     if args.out:
         with open(args.out, "w") as f:

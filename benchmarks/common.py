@@ -23,10 +23,10 @@ def time_once(fn: Callable[[], object], device: torch.device, inner: int = 1) ->
     return (time.perf_counter() - t0) / inner
 
 
-def paired_ratios(methods: dict[str, Callable[[], object]], baseline: str, device: torch.device, repeats: int,
-                  warmup: int = 1, inner: int = 1, seed: int = 0) -> dict[str, dict[str, float]]:
-    """Run every method once per repeat in a shuffled order; return per method the median time and the median
-    of its per-repeat ratio to the baseline. Pairing within a repeat cancels this noisy machine's slow phases."""
+def paired_times(methods: dict[str, Callable[[], object]], device: torch.device, repeats: int, warmup: int = 1,
+                 inner: int = 1, seed: int = 0) -> dict[str, list[float]]:
+    """Run every method once per repeat in a shuffled order; per method its list of times (seconds), one per
+    repeat, so that any two methods can be compared pairwise within a repeat."""
     rng = random.Random(seed)
     for fn in methods.values():
         for _ in range(warmup):
@@ -37,9 +37,20 @@ def paired_ratios(methods: dict[str, Callable[[], object]], baseline: str, devic
         rng.shuffle(order)
         for name in order:
             times[name].append(time_once(methods[name], device, inner))
-    base = times[baseline]
-    return {name: {"median_s": statistics.median(ts),
-                   "ratio": statistics.median(t / b for t, b in zip(ts, base))}
+    return times
+
+
+def median_ratio(times: dict[str, list[float]], name: str, baseline: str) -> float:
+    """Median over repeats of time[name] / time[baseline] measured in the same repeat."""
+    return statistics.median(t / b for t, b in zip(times[name], times[baseline]))
+
+
+def paired_ratios(methods: dict[str, Callable[[], object]], baseline: str, device: torch.device, repeats: int,
+                  warmup: int = 1, inner: int = 1, seed: int = 0) -> dict[str, dict[str, float]]:
+    """Per method the median time and the median of its per-repeat ratio to the baseline (see paired_times).
+    Pairing within a repeat cancels this noisy machine's slow phases."""
+    times = paired_times(methods, device, repeats, warmup, inner, seed)
+    return {name: {"median_s": statistics.median(ts), "ratio": median_ratio(times, name, baseline)}
             for name, ts in times.items()}
 
 

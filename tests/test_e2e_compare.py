@@ -1,5 +1,6 @@
-"""End to end: the README's main command (`affine-attention compare`, tiny preset, offline) trains softmax, sink and
-affine and writes the summary and the report with both tables and every figure."""
+"""End to end: the README's main command (`affine-attention compare`, tiny preset, offline) trains softmax, sink,
+affine and the scaled_softmax control with 3 seeds and writes the summary and the report with its tables, the Claims
+table (whose verdicts follow the stated rule from the numbers in summary.json) and every figure."""
 import json
 import re
 import time
@@ -15,7 +16,8 @@ def test_default_compare_writes_summary_and_report(tmp_path):
     assert main(["compare", "--out", str(tmp_path)]) == 0
     wall = time.time() - t0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert list(summary["variants"]) == ["softmax", "sink", "affine"]
+    assert list(summary["variants"]) == ["softmax", "sink", "affine", "scaled_softmax"]
+    assert all(v["seeds"] == 3 for v in summary["variants"].values())
     assert summary["hardware"] and "torch" in summary["versions"]
     for v in summary["variants"].values():
         assert v["heldout_ppl"]["mean"] > 1 and v["final_train_loss"]["mean"] > 0
@@ -28,4 +30,31 @@ def test_default_compare_writes_summary_and_report(tmp_path):
     for f in figures:
         assert (tmp_path / f).is_file() and (tmp_path / f).stat().st_size > 5000, f
     assert html.count("data:image/png;base64,") == len(figures), "report.html must embed every figure"
+    _check_claims(json.loads((tmp_path / "summary.json").read_text()), md)
     print(f"default compare with report: {wall:.0f} s")  # timing is reported, never asserted
+
+
+def _check_claims(summary: dict, md: str) -> None:
+    """Every claim row has a verdict, and the verdict is the rule's on the paired numbers summary.json records."""
+    from affine_attention.analysis.claims import CLAIMS, verdict
+
+    claims = summary["claims"]
+    assert "## Claims" in md and claims["rule"] in md
+    rows = claims["methods"]["affine"]["rows"]
+    assert claims["methods"]["affine"]["control"] == "scaled_softmax"
+    direction = {c.metric: c.direction for c in CLAIMS}
+    assert {"train_loss", "heldout", "grad_cv", "spikes", "first_token", "entropy", "heads"} <= {r["claim"] for r in rows}
+    for r in rows:
+        for side in ("baseline", "control"):
+            got = r[side]
+            assert got["verdict"] in ("holds", "does not hold", "within seed spread", "not testable here")
+            assert got["diff"]["n"] == 3, (r["claim"], side, got)
+            if r["claim"] == "first_token" and claims["baseline_sink"] is not True:
+                assert got["verdict"] == "not testable here"
+                continue
+            d = got["diff"]
+            # Rebuild n paired differences with the recorded mean and sample std: the rule reads only those.
+            import math
+            n, m, s = d["n"], d["mean"], d["std"]
+            spread = [m - s * math.sqrt((n - 1) / 2), m + s * math.sqrt((n - 1) / 2)] + [m] * (n - 2)
+            assert verdict(spread, direction[r["metric"]]) == got["verdict"], (r["claim"], side, got)

@@ -132,7 +132,9 @@ def test_trainer_with_flattening_collator_matches_padded_run(tmp_path):
     padded, ma_padded = run(DataCollatorForLanguageModeling(tok, mlm=False), len(LENGTHS), "padded")
     # alpha_ma counts real tokens only: the padded run's padding does not move it.
     assert float(ma_flat.abs().max()) > 0
-    torch.testing.assert_close(ma_flat, ma_padded, rtol=1e-5, atol=1e-6)
+    # The packed run's mean of V comes from centred prefix sums per document, the padded one's from one cumsum per
+    # row: 1e-7 apart in one forward, which 3 steps at lr 1e-2 amplify to a few 1e-6 in alpha_ma.
+    torch.testing.assert_close(ma_flat, ma_padded, rtol=1e-4, atol=1e-5)
     # Token-weighted mean over the same real tokens in both; padding is ignored by the padded run's labels.
     assert len(flat) == 3 and flat == pytest.approx(padded, rel=1e-5)
     assert flat[0] != flat[-1]  # it trained

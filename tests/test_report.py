@@ -131,7 +131,8 @@ def test_html_is_self_contained(run_dir):
     assert len(imgs) == len(TRAINING_FIGURES) + len(ATTENTION_FIGURES)
     assert all(base64.b64decode(b)[:8] == b"\x89PNG\r\n\x1a\n" for b in imgs)
     assert "figures/" not in html and "http" not in html.replace("http-equiv", "")
-    assert html.count("<table") == 4 and html.count("<figcaption") == len(imgs)
+    # set-up, Table 1, gradient statistics, controls, Claims
+    assert html.count("<table") == 5 and html.count("<figcaption") == len(imgs)
 
 
 def test_report_cli_regenerates_without_checkpoints(run_dir, tmp_path, capsys):

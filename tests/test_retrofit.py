@@ -11,7 +11,7 @@ import affine_attention
 from affine_attention.variants import variant_names
 
 PRESERVABLE = [v for v in variant_names() if v != "off_by_one"]
-# The sink keeps a logit of -30: a mass of sigmoid(-30 - lse) per row, invisible in float32 unless lse << 0.
+# The sink keeps a logit of -20: a mass of sigmoid(-20 - lse) per row (SmolLM2-135M: up to 8.9e-4 in a logit).
 TOL = {"sink": 2e-6}
 
 

@@ -113,8 +113,8 @@ def claim_rows(per_seed: dict, *, method: str, baseline: str, control: str | Non
             v, why = verdict(diffs, c.direction), None
             if c.needs_sink and baseline_sink is not True:
                 v = "not testable here"
-                why = (f"the {baseline} baseline forms no attention sink (first-token mass below {SINK_FACTOR:g}x "
-                       f"the uniform share in all but fewer than {SINK_MIN_LAYERS} layers)"
+                why = (f"{baseline} forms no attention sink: fewer than {SINK_MIN_LAYERS} layers reach "
+                       f"{SINK_FACTOR:g}x the uniform first-token share"
                        if baseline_sink is False else "first-token mass of the baseline not measured")
             elif len(diffs) < MIN_SEEDS:
                 why = f"{len(diffs)} paired seed(s); the rule needs {MIN_SEEDS}"
@@ -129,3 +129,59 @@ RULE_TEXT = (f"Differences are method − reference, paired by seed (same initia
              "true the other way; otherwise it is within seed spread. The first-token claim is not testable when the "
              f"softmax baseline forms no attention sink: first-token mass at least {SINK_FACTOR:g}x the uniform "
              f"share in at least {SINK_MIN_LAYERS} layers. This is a screen, not a significance test.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# per-run scalars from what a compare run records
+# ---------------------------------------------------------------------------------------------------------------
+def uniform_first_token_share(length: int) -> float:
+    """Mean over the queries of a causal window of `length` tokens of 1 / N_i (N_i = i + 1 keys): the first-token
+    weight that uniform attention would give."""
+    return sum(1.0 / (i + 1) for i in range(length)) / length
+
+
+def attention_scalars(records) -> dict:
+    """LayerRecords of one model -> first_token_mass (mean over layers), entropy (mean over layers), head_mass_cv
+    (coefficient of variation of the per-head mean non-first-token mass over every layer's heads) and the per-layer
+    first-token masses (for the sink test)."""
+    import torch
+
+    if not records:
+        return {}
+    first = [r.layer_mean("first_token_mass") for r in records]
+    heads = torch.cat([r.stats["mean_total_mass"].to(torch.float64).flatten() for r in records])
+    heads = heads[torch.isfinite(heads)]
+    cv = float(heads.std(unbiased=False) / heads.mean()) if heads.numel() > 1 and float(heads.mean()) > 0 else None
+    return {"first_token_mass": statistics.fmean(first),
+            "entropy": statistics.fmean(r.layer_mean("entropy") for r in records),
+            "head_mass_cv": cv, "first_token_by_layer": first}
+
+
+def baseline_sink(per_seed_attention: dict, length: int) -> bool | None:
+    """Whether the baseline's per-layer first-token mass (mean over seeds) shows a sink; None if not measured."""
+    layers = [a["first_token_by_layer"] for a in per_seed_attention.values() if a.get("first_token_by_layer")]
+    if not layers:
+        return None
+    mean = [statistics.fmean(x) for x in zip(*layers)]
+    return sink_formed(mean, uniform_first_token_share(length))
+
+
+def run_per_seed(numbers: dict, grad_by_seed: dict, attention_by_seed: dict, zero_shot_by_seed: dict) -> dict:
+    """per_seed[variant][seed] = {metric: value} from what the report reads of a run: numbers[v][metric][seed]
+    (losses), grad_by_seed[v][seed] (gradstats of the window), attention_by_seed[v][seed] (attention_scalars),
+    zero_shot_by_seed[v][seed] ({task: accuracy %})."""
+    out: dict = {}
+    for v in set(numbers) | set(grad_by_seed) | set(attention_by_seed):
+        seeds = set(numbers.get(v, {}).get("heldout_loss", {})) | set(grad_by_seed.get(v, {})) \
+            | set(attention_by_seed.get(v, {}))
+        for s in seeds:
+            row = {k: numbers.get(v, {}).get(k, {}).get(s) for k in ("final_train_loss", "heldout_loss")}
+            g = grad_by_seed.get(v, {}).get(s)
+            if g:
+                row["grad_cv"], row["spikes_k9"] = g["cv"], float(g["spikes"][9])
+            a = attention_by_seed.get(v, {}).get(s) or {}
+            row.update({k: a.get(k) for k in ("first_token_mass", "entropy", "head_mass_cv")})
+            z = zero_shot_by_seed.get(v, {}).get(s)
+            row["zero_shot_avg"] = statistics.fmean(z.values()) if z else None
+            out.setdefault(v, {})[s] = row
+    return out

@@ -19,6 +19,7 @@ from . import gradstats
 from .report_template import Figure, Heading, Para, Table, to_html, to_markdown
 
 __all__ = ["write_report", "load_run"]
+BEFORE = "pretrained (before)"  # the attention records of the model a retrofit started from
 # Roles, control pairs (each variant's `controls`, used when both are in the run), what each control isolates and
 # the logged statistics come from the variant registry; a run may hold names no longer registered (read as baselines).
 
@@ -339,23 +340,86 @@ def _honest(summary: dict, runs: dict, numbers: dict, grad: dict, window_label: 
     return out
 
 
-def _attention_records(runs: dict[str, list[SeedRun]], cfg: dict, sequences: int, length: int | None, chunk: int):
-    """variant -> LayerRecords of its first seed's final checkpoint on the first held-out windows; (recs, note)."""
+def _attention_records(runs: dict[str, list[SeedRun]], cfg: dict, sequences: int, length: int, chunk: int):
+    """variant -> seed -> LayerRecords of that run's final checkpoint on the first held-out windows, plus the
+    pretrained model a retrofit started from (key BEFORE); (records, note)."""
     from .analyze import load_model, record, token_windows
 
     texts, note = _heldout_texts(cfg)
-    length = length or cfg.get("data", {}).get("seq_len") or 128
-    out = {}
+    out: dict = {}
+
+    def rec(spec: str):
+        model, tok, _ = load_model(spec)
+        return record(model, token_windows(tok, texts, sequences, length), chunk=chunk)
+
+    init_from = cfg.get("model", {}).get("init_from")
+    if init_from:
+        out[BEFORE] = {0: rec(init_from)}
     for v, rs in runs.items():
-        r = rs[0]
-        if not (r.final / "config.json").is_file():
+        for r in rs:
+            if (r.final / "config.json").is_file():
+                out.setdefault(v, {})[r.seed] = rec(str(r.final))
+    return out, f"{sequences} windows of {length} tokens from {note}"
+
+
+def _claims(summary: dict, runs: dict[str, list[SeedRun]], numbers: dict, gwin: tuple[int, int], by_seed: dict,
+            length: int) -> dict:
+    """The Claims table's data (see claims.py): for each method, rows against the baseline and its first control
+    in the run; plus the rule and whether the baseline formed an attention sink."""
+    from . import claims
+
+    grad = {v: {r.seed: gradstats.stats_from_file(r.path / "metrics.jsonl", window=gwin) for r in rs
+                if any("grad_norm" in t for t in r.train)} for v, rs in runs.items()}
+    att = {v: {s: claims.attention_scalars(recs) for s, recs in per.items()} for v, per in by_seed.items()
+           if v != BEFORE}
+    zs = {v: {r.seed: {t: _scalar(a) for t, a in (r.result.get("zero_shot") or {}).items() if _scalar(a) is not None}
+              for r in rs} for v, rs in runs.items()}
+    per_seed = claims.run_per_seed(numbers, grad, att, zs)
+    sink = claims.baseline_sink(att.get(BASELINE, {}), length)
+    out = {"rule": claims.RULE_TEXT, "baseline": BASELINE, "baseline_sink": sink, "methods": {}}
+    for v in runs:
+        if REGISTRY.get(v) is None or REGISTRY[v].role != "method":
             continue
-        model, tok, _ = load_model(str(r.final))
-        ids = token_windows(tok, texts, sequences, length)
-        out[v] = record(model, ids, chunk=chunk)
-        del model
-    seeds = sorted({rs[0].seed for rs in runs.values()})
-    return out, f"seed {'/'.join(map(str, seeds))}, {sequences} windows of {length} tokens from {note}"
+        ctrl = next((c for c in REGISTRY[v].controls if c in runs), None)
+        out["methods"][v] = {"control": ctrl, "rows": claims.claim_rows(per_seed, method=v, baseline=BASELINE,
+                                                                        control=ctrl, baseline_sink=sink)}
+    return out
+
+
+def claims_blocks(claims: dict) -> list:
+    """The report's Claims section: one table per method (affine first)."""
+    if not claims["methods"]:
+        return []
+
+    def cell(side: dict) -> str:
+        d = side["diff"]
+        if d["n"] == 0:
+            return "-"
+        spread = f" ± {d['std']:.3g}" if d["std"] is not None else ""
+        return f"{d['mean']:+.3g}{spread} (n={d['n']})"
+
+    def verdict(side: dict) -> str:
+        return side["verdict"] + (f" ({side['why']})" if side.get("why") else "")
+
+    out = [Heading("Claims")]
+    for method, m in claims["methods"].items():
+        ctrl = m["control"] or "control"
+        rows = [[r["text"], r["metric"], cell(r["baseline"]), verdict(r["baseline"]), cell(r["control"]),
+                 verdict(r["control"])] for r in m["rows"]]
+        out.append(Table(["paper's claim", "measured as", f"{method} − {BASELINE}", "verdict",
+                          f"{method} − {ctrl}", "verdict"], rows, claims["rule"],
+                         f"The paper's claims for {method}, against {BASELINE} and against {ctrl}"))
+    return out
+
+
+def _record_claims(run_dir: Path, summary: dict, claims: dict) -> None:
+    """The Claims table, machine-readable, in summary.json (rewritten atomically) when the run has one."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({**summary, "claims": claims}, indent=2))
+    tmp.replace(path)
 
 
 def _heldout_texts(cfg: dict) -> tuple[list[str], str]:
@@ -440,8 +504,8 @@ def write_report(run_dir: str | Path, *, sequences: int = 4, length: int | None 
                  window: tuple[int, int] | int = 500, chunk: int = 256) -> dict[str, Path]:
     """Write run_dir/report.md, run_dir/report.html (self-contained) and run_dir/figures/*.png; return their paths.
 
-    sequences, length: held-out windows for the attention diagnostics of each variant's first-seed final checkpoint
-    (length defaults to the run's seq_len); attention=False skips them. window: gradient statistics over the first
+    sequences, length: held-out windows for the attention diagnostics of every final checkpoint (figures: the first
+    seed; the Claims table: every seed; length defaults to the run's seq_len); attention=False skips them. window: gradient statistics over the first
     `window` steps (an int, or a (0, end) pair as accepted by the CLI), or the whole run when it is shorter.
     """
     run_dir = Path(run_dir)
@@ -454,12 +518,15 @@ def write_report(run_dir: str | Path, *, sequences: int = 4, length: int | None 
     t3 = _control_table(numbers)
     figs = _training_figures(runs, figdir, bool(cfg.get("kd", {}).get("enabled")), gwin, glabel)
     attn: dict = {}
+    by_seed: dict = {}
+    length = length or cfg.get("data", {}).get("seq_len") or 128
     if attention:
         from .analyze import write_figures
 
-        attn, note = _attention_records(runs, cfg, sequences, length, chunk)
+        by_seed, note = _attention_records(runs, cfg, sequences, length, chunk)
+        attn = {v: recs[min(recs)] for v, recs in by_seed.items()}  # figures: each variant's first seed
         if attn:
-            figs += [Figure(path, f"{ATTENTION_CAPTIONS[key]} Final checkpoints, {note}.")
+            figs += [Figure(path, f"{ATTENTION_CAPTIONS[key]} Final checkpoints (first seed), {note}.")
                      for key, path in write_figures(attn, figdir).items()]
         missing = [v for v in runs if v not in attn]
         if missing:
@@ -473,6 +540,9 @@ def write_report(run_dir: str | Path, *, sequences: int = 4, length: int | None 
                            "method's gain from something simpler" + (f" ({what})." if what else ".")))
     if t3 is not None:
         blocks.append(t3)
+    claims = _claims(summary, runs, numbers, gwin, by_seed, length)
+    blocks += claims_blocks(claims)
+    _record_claims(run_dir, summary, claims)
     blocks += [Heading("What this run shows and does not show")]
     blocks += [Para(p) for p in _honest(summary, runs, numbers, grad, glabel, attn)]
     blocks += [Heading("Figures")] + figs

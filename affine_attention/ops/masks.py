@@ -70,11 +70,14 @@ class MaskSpec:
         """Everything combined as one bool mask broadcastable to (B, Hq, T, S); used only on exact slow paths."""
         return self.chunk_bool(0, self.T, device)
 
-    def chunk_bool(self, start: int, stop: int, device: torch.device) -> Tensor:
-        """Visibility of queries start..stop-1 as one bool mask broadcastable to (B, Hq, stop - start, S)."""
+    def chunk_bool(self, start: int, stop: int, device: torch.device, key_start: int = 0,
+                   key_stop: int | None = None) -> Tensor:
+        """Visibility of queries start..stop-1 over keys key_start..key_stop-1 (default: all S) as one bool mask
+        broadcastable to (B, Hq, stop - start, key_stop - key_start)."""
+        key_stop = self.S if key_stop is None else key_stop
         i = torch.arange(start, stop, device=device)[:, None] + self.offset  # absolute position of each query
-        j = torch.arange(self.S, device=device)[None, :]
-        m = torch.ones(stop - start, self.S, dtype=torch.bool, device=device)
+        j = torch.arange(key_start, key_stop, device=device)[None, :]
+        m = torch.ones(stop - start, key_stop - key_start, dtype=torch.bool, device=device)
         if self.causal:
             m = m & (j <= i)
         if self.window is not None:
@@ -82,12 +85,35 @@ class MaskSpec:
         m = m[None, None]
         if self.documents is not None:
             qdoc = self.documents[:, self.offset + start:self.offset + stop]  # (B|1, C)
-            m = m & (qdoc[:, None, :, None] == self.documents[:, None, None, :])
+            m = m & (qdoc[:, None, :, None] == self.documents[:, None, None, key_start:key_stop])
         if self.keys is not None:
-            m = m & self.keys
+            m = m & self.keys[..., key_start:key_stop]
         if self.dense is not None:
-            m = m & self.dense[:, :, start:stop] if self.dense.shape[2] != 1 else m & self.dense
+            d = self.dense if self.dense.shape[2] == 1 else self.dense[:, :, start:stop]
+            m = m & (d if d.shape[3] == 1 else d[..., key_start:key_stop])
         return m
+
+    def key_ranges(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(lo, hi): (B|1, T) int64; causal, window and documents let query i see at most keys lo_i <= j < hi_i
+        (key padding and dense masks may hide more). Both are non-decreasing in i; an empty range has lo = hi."""
+        p = torch.arange(self.T, device=device) + self.offset  # absolute position of each query
+        hi = p + 1 if self.causal else torch.full_like(p, self.S)
+        lo = p - self.window + 1 if self.window is not None else torch.zeros_like(p)
+        lo, hi = lo[None], hi[None]
+        if self.documents is not None:
+            docs = self.documents.contiguous()
+            qdoc = docs[:, self.offset:].contiguous()  # (B|1, T): documents need T <= S (parse_mask)
+            lo = torch.maximum(lo, torch.searchsorted(docs, qdoc, side="left"))
+            hi = torch.minimum(hi, torch.searchsorted(docs, qdoc, side="right"))
+        lo = lo.clamp(0, self.S)
+        return lo, torch.maximum(hi.clamp(0, self.S), lo)
+
+    def static_key_range(self, start: int, stop: int) -> tuple[int, int]:
+        """Keys [lo, hi) that queries start..stop-1 can see under causal and window, from the shapes alone (no
+        look at documents or padding, so no host sync): the band a block of queries needs."""
+        hi = min(self.S, stop + self.offset) if self.causal else self.S
+        lo = max(0, start + self.offset - self.window + 1) if self.window is not None else 0
+        return min(lo, max(hi, 0)), max(hi, 0)
 
 
 def _check_window(window, is_causal: bool) -> int | None:
@@ -114,6 +140,9 @@ def _check_documents(document_ids, B: int, T: int, S: int, device: torch.device)
     if document_ids.dim() != 2 or document_ids.shape[0] not in (1, B) or document_ids.shape[1] != S:
         raise ValueError(f"document_ids must have shape (B, S) = {(B, S)} (queries are the last T = {T} "
                          f"positions), got {tuple(document_ids.shape)}")
+    if T > S:
+        raise ValueError(f"document_ids needs T <= S (queries are the last T of the S key positions), got T = {T} "
+                         f"and S = {S}")
     if document_ids.device != device:
         raise ValueError(f"document_ids is on {document_ids.device} but q is on {device}")
     if S > 1 and not torch.compiler.is_compiling() and bool((document_ids[:, 1:] < document_ids[:, :-1]).any()):
@@ -149,7 +178,8 @@ def parse_mask(attn_mask: Tensor | None, is_causal: bool, B: int, Hq: int, T: in
     if m.device != device:
         raise ValueError(f"attn_mask is on {m.device} but q is on {device}")
     if m.shape[1] == 1 and m.shape[2] == 1:
-        return MaskSpec(T, S, is_causal, m, None, window, documents)
+        # A key mask always spans S (a (..., 1) mask broadcast over keys would count 1 visible key, not S).
+        return MaskSpec(T, S, is_causal, m.expand(*m.shape[:3], S), None, window, documents)
     return MaskSpec(T, S, is_causal, None, m, window, documents)
 
 
@@ -158,13 +188,13 @@ def visible_sum_and_count(v: Tensor, mask: MaskSpec, Hq: int) -> tuple[Tensor, T
 
     v: (B, Hkv, S, D). Returns (sum, count): sum (B, Hkv|Hq, T|1, D), count broadcastable to it.
     Structured masks give Hkv heads (the caller broadcasts over query groups); dense masks give Hq heads.
-    Prefix sums under a causal mask keep this O(S * D), never T x S.
+    Prefix sums keep every structured mask (causal, padding, window, documents) O(S * D), never T x S.
     """
     from .._compat import float_acc  # local import keeps this module free of cycles
 
     acc = float_acc(v.dtype)
     B, Hkv, S, D = v.shape
-    if mask.dense is not None or mask.window is not None or mask.documents is not None:
+    if mask.dense is not None:
         vis = mask.dense_bool(v.device).to(acc)  # (B|1, H|1, T, S): slow exact path only
         vh = v.to(acc)
         if vis.shape[1] != 1 and Hq != Hkv:
@@ -172,6 +202,8 @@ def visible_sum_and_count(v: Tensor, mask: MaskSpec, Hq: int) -> tuple[Tensor, T
         return vis @ vh, vis.sum(-1, keepdim=True)
     vf = v.to(acc)
     km = None if mask.keys is None else mask.keys[:, :, 0, :, None].to(acc)  # (B|1, 1, S, 1)
+    if mask.kinds & {"window", "documents"}:
+        return _banded_sum_and_count(vf, km, mask)
     if km is not None:
         vf = vf * km
     if not mask.causal or mask.causal_is_trivial:
@@ -185,13 +217,76 @@ def visible_sum_and_count(v: Tensor, mask: MaskSpec, Hq: int) -> tuple[Tensor, T
         count = (km.cumsum(-2)[:, :, mask.offset:] if km is not None
                  else torch.arange(mask.offset + 1, mask.S + 1, device=v.device, dtype=acc)[None, None, :, None])
         return csum, count
-    rows = torch.arange(mask.T, device=v.device) + mask.offset  # last visible key of each query
-    valid = rows >= 0
-    idx = rows.clamp(min=0)
-    csum = vf.cumsum(-2).index_select(-2, idx)
-    count = km.cumsum(-2).index_select(-2, idx) if km is not None else (idx + 1).to(acc)[None, None, :, None]
-    if not bool(valid.all()):
-        # T > S: the first queries see no key at all.
-        csum = csum * valid[:, None].to(acc)
-        count = count * valid[:, None].to(acc)
+    # T > S: the first -offset queries see no key at all; the rest are a slice of the prefix sums. Shapes alone
+    # decide this, so no host sync.
+    empty = -mask.offset
+    csum = torch.cat([vf.new_zeros(B, Hkv, empty, D), vf.cumsum(-2)], dim=-2)
+    count = (torch.cat([km.new_zeros(km.shape[0], 1, empty, 1), km.cumsum(-2)], dim=-2) if km is not None
+             else torch.cat([torch.zeros(empty, device=v.device, dtype=acc),
+                             torch.arange(1, S + 1, device=v.device, dtype=acc)])[None, None, :, None])
     return csum, count
+
+
+def _per_row(fn, x: Tensor, idx: Tensor) -> Tensor:
+    """fn(x_b (H, L, E), idx_b (n,)) for every batch row of x: (B|1, H, L, E) and idx: (B|1, n), broadcast; 1-D
+    index ops along one dim are several times faster on CPU than a gather/scatter with an expanded index."""
+    if idx.shape[0] == 1:
+        return fn(x, idx[0], 2)
+    return torch.stack([fn(x[min(b, x.shape[0] - 1)], idx[b], 1) for b in range(idx.shape[0])])
+
+
+def _take(x: Tensor, idx: Tensor) -> Tensor:
+    """x: (B|1, H, L, E), idx: (B|1, T) positions along L -> (B', H, T, E), B' the broadcast batch."""
+    return _per_row(lambda xb, ib, dim: xb.index_select(dim, ib), x, idx)
+
+
+def _segment_sum(x: Tensor, seg: Tensor) -> Tensor:
+    """x: (B|1, H, S, E), seg: (B|1, S) segment of each position -> per segment sums (B', H, S, E) (at most S)."""
+    return _per_row(lambda xb, ib, dim: torch.zeros_like(xb).index_add(dim, ib, xb), x, seg)
+
+
+def _banded_sum_and_count(vf: Tensor, km: Tensor | None, mask: MaskSpec) -> tuple[Tensor, Tensor]:
+    """Sliding window and/or documents as differences of centred float32 prefix sums.
+
+    vf: (B, Hkv, S, D) float; km: (B|1, 1, S, 1) key padding as 0/1 or None. Positions are cut into segments
+    (each document, further cut every `window` keys); every visible value is centred on its segment's mean before
+    the prefix sum, so the prefix returns to ~0 at every segment end and its rounding error stays that of one
+    segment, independent of S. A query's keys [lo, hi) lie in one document and span at most `window` keys, so
+    they touch at most two segments: their means are added back times the visible count in each.
+    Returns sum (B, Hkv, T, D) and count (B|1, 1, T, 1).
+    """
+    B, Hkv, S, D = vf.shape
+    dev = vf.device
+    lo, hi = mask.key_ranges(dev)  # (Bd, T) each
+    j = torch.arange(S, device=dev)
+    start = j == 0
+    if "window" in mask.kinds:
+        cut = j % mask.window == 0
+        start = start | cut
+        # First window cut after each position, by a reverse running minimum: a floor division feeding the
+        # gathers below trips inductor's value-range analysis under torch.compile.
+        after = torch.where(cut, j, S).flip(0).cummin(0).values.flip(0)
+        after = torch.cat([after, after.new_full((1,), S)])  # (S + 1,)
+    start = start[None]
+    if mask.documents is not None:
+        d = mask.documents
+        start = start | torch.cat([torch.ones_like(d[:, :1], dtype=torch.bool), d[:, 1:] != d[:, :-1]], dim=1)
+    seg = start.long().cumsum(1) - 1  # (Bd, S): segment of every key position
+    w = km if km is not None else vf.new_ones(1, 1, S, 1)
+    seg_count = _segment_sum(w, seg)
+    seg_mean = _segment_sum(vf * w if km is not None else vf, seg) / seg_count.clamp(min=1)
+    centre = _take(seg_mean, seg)  # (B, Hkv, S, D): mean of the visible values of each position's segment
+    u = (vf - centre) * w if km is not None else vf - centre
+    zero = vf.new_zeros(B, Hkv, 1, D)
+    cu = torch.cat([zero, u.cumsum(2)], dim=2)  # (B, Hkv, S + 1, D): exclusive prefix of centred values
+    # The second segment starts at the first window cut after lo (documents never cut inside [lo, hi)).
+    mid = torch.minimum(hi, after[(lo + 1).clamp(max=S)]) if "window" in mask.kinds else hi
+    if km is not None:
+        ck = torch.cat([w.new_zeros(w.shape[0], 1, 1, 1), w.cumsum(2)], dim=2)  # (B|1, 1, S + 1, 1)
+        n1, n2 = _take(ck, mid) - _take(ck, lo), _take(ck, hi) - _take(ck, mid)
+    else:
+        n1, n2 = (mid - lo).to(vf.dtype)[:, None, :, None], (hi - mid).to(vf.dtype)[:, None, :, None]
+    first = _take(centre, lo.clamp(max=S - 1))
+    last = _take(centre, (hi - 1).clamp(min=0))
+    total = _take(cu, hi) - _take(cu, lo) + first * n1 + last * n2
+    return total, n1 + n2

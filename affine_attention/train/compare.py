@@ -71,7 +71,7 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, re
     """Train every variant for every seed into out_dir and write summary.json / summary.md (see module doc)."""
     from .distributed import setup
     from .loop import train
-    from .model import build_base, variant_options
+    from .model import base_model, tokenizer_spec, variant_options
     from .pretrained import load_tokenizer
 
     out_dir = Path(out_dir)
@@ -80,12 +80,12 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, re
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(config_json(cfg))
-    tok = load_tokenizer(cfg.data.tokenizer)
+    tok = load_tokenizer(tokenizer_spec(cfg))
     t0 = time.time()
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in cfg.compare.variants}
     for k in range(seeds):
         seed_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=cfg.train.seed + k))
-        base = build_base(cfg.model, seed_cfg.train.seed, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        base = base_model(cfg, seed_cfg.train.seed, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         for variant in cfg.compare.variants:
             run_dir = out_dir / variant / f"seed{k}"
             done = run_dir / "result.json"

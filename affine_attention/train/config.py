@@ -34,6 +34,12 @@ class ModelConfig:
     the paper's 1B student): its sizes fill every key the [model] table does not set itself."""
 
     preset: str = ""
+    # Continue from a pretrained model instead (a local transformers folder, a *.gguf file or "smollm2"): its
+    # architecture, weights and (with data.tokenizer = "default") tokenizer come from it; set no other size here.
+    init_from: str = ""
+    # Convert so the model computes what it computed before (see affine_attention.convert). Unset: true with
+    # init_from (a retrofit), false from scratch (the paper's initialisation).
+    function_preserving: bool | None = None
     arch: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama"
     vocab_size: int = 4096  # must cover the tokenizer (checked at training time)
     hidden_size: int = 128
@@ -334,8 +340,20 @@ def _expand_preset(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "model": merged}
 
 
+def _check_init_from(data: dict[str, Any]) -> None:
+    """With [model].init_from the checkpoint defines the architecture: any size set beside it would be ignored."""
+    model = data.get("model")
+    if not isinstance(model, dict) or not model.get("init_from"):
+        return
+    other = sorted(set(model) - {"init_from", "function_preserving"})
+    if other:
+        raise ValueError(f"model.init_from = {model['init_from']!r} takes the architecture from that model; remove "
+                         f"{', '.join('model.' + k for k in other)} (or drop init_from to train from scratch)")
+
+
 def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> RunConfig:
     try:
+        _check_init_from(data)
         cfg = from_dict(RunConfig, _expand_preset(data))
         validate(cfg)
     except ValueError as err:

@@ -8,12 +8,21 @@ from .config import RunConfig
 
 
 def dry_run(cfg: RunConfig, world: int = 1) -> dict[str, Any]:
-    from .model import build_base, convert, count_params, memory_estimate, variant_options
+    import dataclasses
 
-    base = build_base(cfg.model, cfg.train.seed, meta=True)
+    from .model import base_model, convert, count_params, function_preserving, memory_estimate, variant_options
+
+    base = base_model(cfg, cfg.train.seed, meta=True)
     base_params = count_params(base)
     variants = list(dict.fromkeys([*cfg.compare.variants, cfg.variant.name]))
-    counts = {v: count_params(convert(base, v, variant_options(cfg, v))) for v in variants}
+    keep = function_preserving(cfg.model)
+    counts = {v: count_params(convert(base, v, variant_options(cfg, v), function_preserving=keep)) for v in variants}
+    if cfg.model.init_from:  # the estimate reads the sizes of the model it starts from
+        c = base.config
+        sizes = dict(arch=c.model_type, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
+                     vocab_size=c.vocab_size, intermediate_size=c.intermediate_size, num_heads=c.num_attention_heads,
+                     num_kv_heads=c.num_key_value_heads, head_dim=getattr(c, "head_dim", 0) or 0)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **sizes))
     tc = cfg.train
     if tc.global_batch % (tc.micro_batch * world):
         raise ValueError(f"train.global_batch ({tc.global_batch}) must be a multiple of train.micro_batch "

@@ -116,9 +116,12 @@ class Trainer:
         from .data import TrainBatches, eval_sequences, open_source, separator_id
         from .pretrained import load_tokenizer
 
+        from .model import tokenizer_spec
+
         cfg, dc, tc, info = self.cfg, self.dc, self.tc, self.info
-        self.tok = load_tokenizer(dc.tokenizer)
-        if len(self.tok) > cfg.model.vocab_size:
+        self.tok_spec = tokenizer_spec(cfg)
+        self.tok = load_tokenizer(self.tok_spec)
+        if not cfg.model.init_from and len(self.tok) > cfg.model.vocab_size:  # init_from: checked in build_model
             raise ValueError(f"the tokenizer {dc.tokenizer!r} has {len(self.tok)} tokens but model.vocab_size is "
                              f"{cfg.model.vocab_size}; set model.vocab_size >= {len(self.tok)}")
         self.source = open_source(dc.train, self.tok, dc, tc.seed, shuffle=dc.shuffle)
@@ -129,16 +132,21 @@ class Trainer:
 
     def build_model(self, base_model) -> None:
         """The converted model on this rank's device, wrapped for DDP / FSDP2 (and compiled), and its optimizer."""
-        from .model import build_base, convert, count_params
+        from .model import base_model as start_model
+        from .model import convert, count_params, function_preserving
         from .optim import build_optimizer
 
-        tc = self.tc
+        tc, keep = self.tc, function_preserving(self.cfg.model)
         if base_model is None:
-            base_model = build_base(self.cfg.model, tc.seed, eos_token_id=self.tok.eos_token_id,
-                                    pad_token_id=self.tok.pad_token_id)
-            model = convert(base_model, self.variant, self.options, copy_model=False)
+            base_model = start_model(self.cfg, tc.seed, eos_token_id=self.tok.eos_token_id,
+                                     pad_token_id=self.tok.pad_token_id)
+            model = convert(base_model, self.variant, self.options, copy_model=False, function_preserving=keep)
         else:
-            model = convert(base_model, self.variant, self.options)
+            model = convert(base_model, self.variant, self.options, function_preserving=keep)
+        self.vocab_size = model.config.vocab_size
+        if len(self.tok) > self.vocab_size:
+            raise ValueError(f"the tokenizer {self.tok_spec!r} has {len(self.tok)} tokens but the model's vocabulary "
+                             f"has {self.vocab_size}; use the model's own tokenizer or a larger model.vocab_size")
         model.to(self.info.device).train()
         self.n_params = count_params(model)
         if tc.activation_checkpointing:
@@ -156,8 +164,8 @@ class Trainer:
         cfg, dc = self.cfg, self.dc
         self.teacher = None
         if cfg.kd.enabled:
-            self.teacher = Teacher(cfg.kd, student_tok=self.tok, student_tok_spec=dc.tokenizer,
-                                   student_vocab=cfg.model.vocab_size, data_key=data_key(self.source, dc.seq_len),
+            self.teacher = Teacher(cfg.kd, student_tok=self.tok, student_tok_spec=self.tok_spec,
+                                   student_vocab=self.vocab_size, data_key=data_key(self.source, dc.seq_len),
                                    seq_len=dc.seq_len, device=self.info.device, rank=self.info.rank,
                                    doc_sep=self.doc_sep)
 
@@ -174,7 +182,7 @@ class Trainer:
                             "variant_options": self.options, "params": self.n_params, "world_size": self.info.world,
                             "tokens_per_step": self.tokens_per_step,
                             "precision": "bf16 autocast" if self.bf16 else "fp32", "device": str(self.info.device),
-                            "tokenizer": dc.tokenizer, "separator": dc.separator or self.tok.eos_token})
+                            "tokenizer": self.tok_spec, "separator": dc.separator or self.tok.eos_token})
 
     def resume_from_checkpoint(self) -> None:
         """Restore weights, optimizer, RNG, data position and counters from the newest intact checkpoint."""

@@ -56,6 +56,41 @@ def build_base(mc: ModelConfig, seed: int, *, meta: bool = False, eos_token_id: 
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
 
+def tokenizer_spec(cfg: RunConfig) -> str:
+    """The tokenizer a run uses: data.tokenizer, or the pretrained model's own when [model].init_from is set and
+    data.tokenizer is left at "default"."""
+    if cfg.model.init_from and cfg.data.tokenizer == "default":
+        return cfg.model.init_from
+    return cfg.data.tokenizer
+
+
+def function_preserving(mc: ModelConfig) -> bool:
+    """[model].function_preserving, whose unset default is: a retrofit with init_from, the paper's init without."""
+    return bool(mc.init_from) if mc.function_preserving is None else mc.function_preserving
+
+
+def base_model(cfg: RunConfig, seed: int, *, meta: bool = False, eos_token_id: int | None = None,
+               pad_token_id: int | None = None) -> nn.Module:
+    """The unconverted fp32 model a run starts from: [model].init_from's weights, or a fresh one from `seed`."""
+    mc = cfg.model
+    if not mc.init_from:
+        return build_base(mc, seed, meta=meta, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..hf.load import load_model, resolve
+
+    if meta:
+        path, kwargs = resolve(mc.init_from)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, **kwargs), dtype=torch.float32)
+    loaded = load_model(mc.init_from, dtype=torch.float32)
+    # A model read from GGUF cannot be saved by transformers: the same (dequantised) weights in a plain model can.
+    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    return model.train()
+
+
 def convert_fn():
     """affine_attention.convert, with a clear error while the hf layer is missing or broken."""
     try:
@@ -66,12 +101,14 @@ def convert_fn():
     return fn
 
 
-def convert(base: nn.Module, variant: str, options: dict | None = None, *, copy_model: bool = True) -> nn.Module:
-    """A converted copy of `base` (shared weights identical; the variant's new parameters get their own init)."""
+def convert(base: nn.Module, variant: str, options: dict | None = None, *, copy_model: bool = True,
+            function_preserving: bool = False) -> nn.Module:
+    """A converted copy of `base` (shared weights identical; the variant's new parameters get their own init, or
+    the function-preserving one)."""
     model = copy.deepcopy(base) if copy_model else base
     device = next(model.parameters()).device
     with torch.device(device):  # new variant parameters live where the model lives (meta for counting)
-        model = convert_fn()(model, variant, **dict(options or {}))
+        model = convert_fn()(model, variant, function_preserving=function_preserving, **dict(options or {}))
     return model
 
 

@@ -1,0 +1,80 @@
+"""Zero-shot accuracy of every final checkpoint of a `compare` run, written where the report reads it.
+
+Each <variant>/seed<k>/final is evaluated with lm-evaluation-harness; its accuracies (%, lm-eval's `acc`) go into
+that run's result.json as "zero_shot" and into summary.json's variant entries, so Table 1 and the Claims table
+show them. The offline fixture tasks are pipeline tests on a handful of hand-written samples: they are refused
+here, because whatever they produce must never be reported as accuracy.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from .harness import FIXTURE_TASKS, expand_tasks
+
+METRIC = "acc"
+
+
+def check_tasks(tasks: str) -> list[str]:
+    """The task names of `tasks` (aliases expanded); ValueError for the offline fixtures."""
+    names = expand_tasks(tasks)
+    fixtures = [n for n in names if n in FIXTURE_TASKS or n == "fixtures"]
+    if fixtures:
+        raise ValueError(f"compare --tasks: {', '.join(fixtures)} are offline fixture tasks (a few hand-written "
+                         "samples that test the pipeline); their scores are not accuracies and are never reported. "
+                         "Use --tasks paper (needs the Hub or a datasets cache) or your own task files with "
+                         "--include-path DIR")
+    return names
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
+def evaluate_run(run_dir: str | Path, tasks: str, *, include_path: list[str] | None = None, batch_size: int = 8,
+                 limit: int | float | None = None, log=print) -> dict[str, dict[int, dict[str, float]]]:
+    """Evaluate every final checkpoint under run_dir; returns variant -> seed -> {task: accuracy %}."""
+    from ..hf.load import load_model, load_tokenizer
+    from .harness import evaluate
+
+    names = check_tasks(tasks)
+    run_dir = Path(run_dir)
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    for final in sorted(run_dir.glob("*/seed*/final")):
+        variant, seed = final.parent.parent.name, int(final.parent.name[4:])
+        log(f"[compare] zero-shot {', '.join(names)}: {variant} seed {seed}")
+        model, tok = load_model(str(final)), load_tokenizer(str(final))
+        res = evaluate(model, tok, names, include_path=include_path, batch_size=batch_size, limit=limit)
+        acc = {t: 100.0 * m[METRIC] for t, m in res["tasks"].items() if m.get(METRIC) is not None}
+        missing = [t for t in names if t not in acc]
+        if missing:
+            raise ValueError(f"tasks {missing} report no '{METRIC}' (accuracy) metric; compare --tasks takes "
+                             "multiple-choice tasks only")
+        out.setdefault(variant, {})[seed] = acc
+        result_path = final.parent / "result.json"
+        result = json.loads(result_path.read_text()) if result_path.is_file() else {}
+        _write_json(result_path, {**result, "zero_shot": acc, "zero_shot_limit": limit})
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file() and out:
+        summary = json.loads(summary_path.read_text())
+        for variant, seeds in out.items():
+            entry = summary.get("variants", {}).get(variant)
+            if entry is not None:
+                entry["zero_shot"] = _per_task(seeds)
+        summary["zero_shot"] = {"tasks": names, "metric": METRIC, "limit": limit}
+        _write_json(summary_path, summary)
+    return out
+
+
+def _per_task(seeds: dict[int, dict[str, float]]) -> dict[str, Any]:
+    tasks = sorted({t for acc in seeds.values() for t in acc})
+    out = {}
+    for t in tasks:
+        vals = [acc[t] for _, acc in sorted(seeds.items()) if t in acc]
+        out[t] = {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else None,
+                  "values": vals}
+    return out
