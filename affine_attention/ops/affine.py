@@ -11,6 +11,7 @@ from torch import Tensor
 from .._compat import float_acc
 from ._validate import check_bias_norm, check_per_head, check_per_query, check_qkv, check_scale, check_v_mean
 from .backends import attention as kernel_attention
+from .isolate import isolate_nonfinite, poison_seen
 from .masks import parse_mask, visible_sum_and_count
 
 
@@ -38,6 +39,7 @@ def affine_scaled_attention(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, alph
     scale = check_scale(scale, D)
     mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device, window=window, document_ids=document_ids)
 
+    k, v, seen = isolate_nonfinite(k, v, mask, Hq)
     attn, _ = kernel_attention(q, k, v, mask, scale, backend=backend)
     acc = float_acc(q.dtype)
     if v_mean is None:
@@ -51,4 +53,4 @@ def affine_scaled_attention(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, alph
     G = Hq // v_mean.shape[1]
     # Broadcast the per-KV-head mean over its query group without copying it; one fused multiply-add after.
     bias_term = (b.view(B, Hq // G, G, T, 1) * v_mean.to(acc)[:, :, None]).view(B, Hq, T, D)
-    return torch.addcmul(bias_term, a, attn.to(acc)).to(q.dtype)
+    return poison_seen(torch.addcmul(bias_term, a, attn.to(acc)).to(q.dtype), seen)
