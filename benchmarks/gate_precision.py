@@ -18,10 +18,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b).abs().max()) / scale if scale > 0 else float((a.double() - b).abs().max())
 
 
-def _inputs(seed: int = 0):
+def _inputs(t: int = T, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(3)] + \
-        [torch.randn(B, H, T, D, generator=g, dtype=torch.float64)]  # q, k, v, dO
+    return [torch.randn(B, H, t, D, generator=g, dtype=torch.float64) for _ in range(4)]  # q, k, v, dO
 
 
 def grads(fn, tensors, dtype):
@@ -31,8 +30,8 @@ def grads(fn, tensors, dtype):
     return [x.grad for x in xs]
 
 
-def sink_errors(s: float, backend: str) -> dict[str, float]:
-    q, k, v, dO = _inputs()
+def sink_errors(s: float, backend: str, t: int = T) -> dict[str, float]:
+    q, k, v, dO = _inputs(t)
     sinks = torch.full((H,), s, dtype=torch.float64)
 
     def fn(q, k, v, sinks):
@@ -43,10 +42,10 @@ def sink_errors(s: float, backend: str) -> dict[str, float]:
     return dict(zip(("q", "k", "v", "sinks"), (rel(a, b) for a, b in zip(g32, g64))))
 
 
-def affine_errors(delta: float, backend: str) -> dict[str, float]:
-    q, k, v, dO = _inputs()
+def affine_errors(delta: float, backend: str, t: int = T) -> dict[str, float]:
+    q, k, v, dO = _inputs(t)
     alpha_ma = torch.full((H,), 0.5, dtype=torch.float64)
-    alpha = (0.5 + delta) * torch.ones(B, H, T, dtype=torch.float64)
+    alpha = (0.5 + delta) * torch.ones(B, H, t, dtype=torch.float64)
 
     def fn(q, k, v, alpha, alpha_ma):
         return affine_scaled_attention(q, k, v, alpha, alpha_ma, is_causal=True, backend=backend)
@@ -59,6 +58,7 @@ def affine_errors(delta: float, backend: str) -> dict[str, float]:
 SINK_LOGITS = (-30.0, -17.0, -10.0, 0.0, 10.0, 17.0, 30.0)
 ALPHA_DELTAS = (0.0, 1e-7, 1e-4, 1e-2)
 BACKENDS = ("exact", "cpu_flash")
+LONG_T = 4096  # long rows: the mean of V over thousands of keys, a sink against a large lse
 
 
 def table() -> list[str]:
@@ -70,6 +70,10 @@ def table() -> list[str]:
         for d in ALPHA_DELTAS:
             e = affine_errors(d, backend)
             lines.append(f"| affine | {backend} | alpha - alpha_ma = {d:g} | "
+                         + ", ".join(f"{k} {v:.1e}" for k, v in e.items()) + " |")
+        for name, e in (("sink", sink_errors(-17.0, backend, LONG_T)), ("affine", affine_errors(1e-7, backend, LONG_T))):
+            at = "s = -17" if name == "sink" else "alpha - alpha_ma = 1e-07"
+            lines.append(f"| {name} | {backend} | {at}, T = {LONG_T} | "
                          + ", ".join(f"{k} {v:.1e}" for k, v in e.items()) + " |")
     return lines
 

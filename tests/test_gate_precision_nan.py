@@ -26,6 +26,12 @@ def test_sink_gradients_keep_their_digits_in_float32(backend, s):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_long_rows_keep_their_digits(backend):
+    for errors in (gate_precision.sink_errors(-17.0, backend, 1024), gate_precision.affine_errors(1e-7, backend, 1024)):
+        assert max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("delta", gate_precision.ALPHA_DELTAS)
 def test_affine_gradients_keep_their_digits_when_alpha_is_near_alpha_ma(backend, delta):
     errors = gate_precision.affine_errors(delta, backend)
