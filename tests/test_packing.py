@@ -164,3 +164,33 @@ def test_training_with_document_mask(tmp_path):
     assert runs[True]["heldout_loss"] != runs[False]["heldout_loss"]
     first = [json.loads(line) for line in (tmp_path / "True" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("kind") == "train" for r in first)
+
+
+@pytest.mark.parametrize("variant", ["affine", "sink", "softmax"])
+def test_no_t_by_s_tensor_in_a_packed_training_step(variant):
+    """T = 2048 with 16 documents per row through a converted model's forward and backward: the largest allocation
+    stays far below T x S (the dense block-diagonal mask alone would be T x S)."""
+    from test_no_txs import LargestAllocation
+
+    T = 2048
+    model = tiny("llama", variant).train()
+    lengths = [T // 16] * 16
+    ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    with LargestAllocation() as rec:
+        out = model(input_ids=ids, position_ids=pos, use_cache=False, labels=ids)
+        out.loss.backward()
+    assert rec.largest <= T * T // 8, (rec.largest, rec.op)
+
+
+def test_the_recorder_sees_transformers_dense_packed_mask():
+    """Control for the test above: the unconverted model builds a (1, 1, T, T) block-diagonal mask for packed rows."""
+    from test_no_txs import LargestAllocation
+
+    T = 2048
+    model = tiny("llama").train()
+    ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(T // 16)] * 16)[None]
+    with LargestAllocation() as rec:
+        model(input_ids=ids, position_ids=pos, use_cache=False, labels=ids).loss.backward()
+    assert rec.largest >= T * T
