@@ -71,7 +71,8 @@ def table() -> list[str]:
             e = affine_errors(d, backend)
             lines.append(f"| affine | {backend} | alpha - alpha_ma = {d:g} | "
                          + ", ".join(f"{k} {v:.1e}" for k, v in e.items()) + " |")
-        for name, e in (("sink", sink_errors(-17.0, backend, LONG_T)), ("affine", affine_errors(1e-7, backend, LONG_T))):
+        long_rows = (("sink", sink_errors(-17.0, backend, LONG_T)), ("affine", affine_errors(1e-7, backend, LONG_T)))
+        for name, e in long_rows:
             at = "s = -17" if name == "sink" else "alpha - alpha_ma = 1e-07"
             lines.append(f"| {name} | {backend} | {at}, T = {LONG_T} | "
                          + ", ".join(f"{k} {v:.1e}" for k, v in e.items()) + " |")

@@ -117,8 +117,8 @@ def load_tokenizer(spec: str, *, hub: bool = False):
         if not local.is_dir():
             raise ValueError(f"tokenizer {spec!r} is a file; pass the folder holding tokenizer.json (or a .gguf file)")
         if not any((local / name).is_file() for name in TOKENIZER_FILES):
-            raise ValueError(f"tokenizer {spec!r}: the folder holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
-                             "pass the folder a tokenizer was saved to, or 'default'")
+            raise ValueError(f"tokenizer {spec!r}: the folder holds no tokenizer (none of "
+                             f"{', '.join(TOKENIZER_FILES)}); pass the folder a tokenizer was saved to, or 'default'")
         kwargs["local_files_only"] = True
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)

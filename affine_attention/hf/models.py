@@ -77,13 +77,12 @@ class AffineModelMixin:
         """transformers' loader, then a check it does not make: every variant weight must come from the
         checkpoint (a missing one would run with an arbitrary value)."""
         want_info = kwargs.pop("output_loading_info", False)
+        where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         try:
             model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         except SafetensorError as err:
-            where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
             raise ValueError(f"cannot read the weights of the checkpoint at {where}: {err}. A safetensors file there "
                              "is truncated or corrupted; save or download it again") from err
-        where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         layers.check_saved_spec(model.config, str(where))
         unexpected = [k for k in info.get("unexpected_keys", ()) if f".{layers.VARIANT_ATTR}." in k]
         if unexpected:
