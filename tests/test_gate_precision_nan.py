@@ -31,7 +31,7 @@ def test_long_rows_keep_their_digits(backend):
         assert max(errors.values()) < 1e-5, errors
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + ("sdpa",))  # sdpa serves affine (no sink: it returns no lse)
 @pytest.mark.parametrize("delta", gate_precision.ALPHA_DELTAS)
 def test_affine_gradients_keep_their_digits_when_alpha_is_near_alpha_ma(backend, delta):
     errors = gate_precision.affine_errors(delta, backend)

@@ -84,6 +84,23 @@ def test_variants_refuse_bad_construction(make, match):
         make()
 
 
+def test_convert_refuses_bad_input():
+    import affine_attention
+    from test_hf_common import tiny as tiny_model
+
+    for args, kwargs, match in (((None, "affine"), {}, r"cannot convert NoneType"),
+                                (("model", 3), {}, r"variant must be a name"),
+                                (("model", "affinee"), {}, r"unknown attention variant 'affinee'"),
+                                (("model", "affine"), {"momentum": "0.9"}, r"'momentum' must be a number"),
+                                (("model", "sink"), {"init": float("nan")}, r"'init' must be a finite"),
+                                (("model", "affine"), {"function_preserving": 1}, r"function_preserving must be")):
+        model = tiny_model("llama")
+        args = tuple(model if a == "model" else a for a in args)
+        with pytest.raises(ValueError, match=match):
+            affine_attention.convert(*args, **kwargs)
+        assert not hasattr(model.model.layers[0].self_attn, "attn_variant")  # refused before anything changed
+
+
 def test_variant_options_built_directly_are_checked_too():
     from affine_attention.variants.scaled_softmax import ScaledSoftmaxOptions
     from affine_attention.variants.sink import SinkOptions
@@ -184,6 +201,8 @@ def test_cli_bad_inputs_give_one_line(tiny, tmp_path):
 
     base = sets(tiny + ["train.steps=1"])
     (tmp_path / "bad.jsonl").write_text('{"text": ["not", "a", "string"]}\n')
+    (tmp_path / "cut.jsonl").write_text('{"text": "fine"}\n{"text": "cut\n')
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9\n".encode("latin-1"))
     (tmp_path / "notok").mkdir()
     (tmp_path / "notok" / "config.json").write_text("{}")
     (tmp_path / "afile").write_text("x")
@@ -191,6 +210,12 @@ def test_cli_bad_inputs_give_one_line(tiny, tmp_path):
     cases = [
         (sets([f"data.train.paths=['{tmp_path / 'bad.jsonl'}']"]) + ["--out", str(tmp_path / "o1")],
          ["bad.jsonl:1", "string field 'text'"]),
+        (sets([f"data.train.paths=['{tmp_path / 'cut.jsonl'}']"]) + ["--out", str(tmp_path / "o5")],
+         ["cut.jsonl: line 2", "malformed JSON"]),
+        (sets([f"data.train.paths=['{tmp_path / 'latin1.txt'}']"]) + ["--out", str(tmp_path / "o6")],
+         ["latin1.txt: line 1", "not UTF-8"]),
+        (sets(["optim.lr=0"]) + ["--out", str(tmp_path / "o7")], ["optim.lr must be finite and > 0"]),
+        (sets(["data.seq_len=4096"]) + ["--out", str(tmp_path / "o8")], ["max_position_embeddings"]),
         (sets([f"data.train.paths=['{tmp_path / 'adir'}']"]) + ["--out", str(tmp_path / "o2")],
          ["adir", "is not a file"]),
         (sets([f"data.tokenizer='{tmp_path / 'notok'}'"]) + ["--out", str(tmp_path / "o3")],
@@ -202,7 +227,7 @@ def test_cli_bad_inputs_give_one_line(tiny, tmp_path):
     for extra, needles in cases:
         _one_error_line(cli(["train", *base, *extra], check=False), *needles)
     assert not (tmp_path / "missing").exists()  # a failed --resume creates nothing
-    assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 3, 4))
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 9))
 
 
 def _train(cfg, out, **kw):
