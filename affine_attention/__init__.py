@@ -8,6 +8,10 @@ def __getattr__(name: str):
         from .hf.convert import convert
 
         return convert
+    if name == "peft_config":
+        from .hf.peft import peft_config
+
+        return peft_config
     if name == "step_running_stats":
         from .variants.running_stats import step_running_stats
 

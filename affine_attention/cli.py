@@ -64,8 +64,36 @@ def _compare(args) -> int:
     return 0
 
 
+OVERVIEW = """\
+Affine-Scaled Attention (Bae et al., ICML 2026): train, compare, evaluate and inspect attention variants
+(softmax, affine, sink, gated, ...) on transformers causal LMs. Offline by default: the tiny presets, the packaged
+corpus and SmolLM2-135M need no download.
+"""
+
+EXAMPLES = """\
+examples (one per command; `affine-attention COMMAND --help` for its options):
+  affine-attention train --config tiny --set variant.name=affine --out runs/affine
+  affine-attention compare --config tiny-ablation --out runs/ablation
+  affine-attention report runs/ablation
+  affine-attention params --preset llama-3.2-1b --variant affine
+  affine-attention eval --model runs/affine/final --tasks fixtures --ppl heldout.txt
+  affine-attention analyze --model smollm2 --sequences 2 --length 256 --out analysis
+"""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("affine-attention")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="affine-attention", description=__doc__)
+    parser = argparse.ArgumentParser(prog="affine-attention", description=OVERVIEW, epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in AREAS:
         try:

@@ -64,8 +64,12 @@ def test_analyze_plain_and_converted(tmp_path, capsys):
     assert m["config"]["variants"] == ["softmax"] and m["config"]["converted_checkpoint"] is False
     assert m["config"]["tokens"] == 80 and m["layers"][0]["n_queries"] == 80
     assert m["layers"][0]["alpha"] is None
-    text = capsys.readouterr().out
+    printed = capsys.readouterr()
+    text = printed.out
     assert "first-token mass" in text and "peak RSS" in text
+    assert "recording LlamaForCausalLM (softmax (unconverted))" in text
+    # Progress on stderr (plain lines without a terminal): the model load, then every recorded sequence.
+    assert f"loading model {plain} ..." in printed.err and "recording attention: 2/2 sequences" in printed.err
 
     conv = _tiny(tmp_path / "affine", variant="affine")
     out = tmp_path / "out-affine"

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from test_hf_common import left_padded, perturb, tiny
+from test_hf_common import CACHE, left_padded, perturb, tiny
 from transformers import DynamicCache, StaticCache
 
 import affine_attention
@@ -74,14 +74,14 @@ def check_decoding_step(family, variant, kind, backend):
     caches = {"eager": _make_cache(kind, model), "compiled": _make_cache(kind, model)}
     with torch.no_grad():
         for cache in caches.values():
-            model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+            model(ids, attention_mask=mask, position_ids=pos, **{CACHE: cache}, use_cache=True)
         for t in range(2):
             tok = torch.full((3, 1), 5 + t)
             m = torch.cat([mask, torch.ones(3, t + 1, dtype=mask.dtype)], 1)
             p = pos[:, -1:] + 1 + t
             kw = dict(attention_mask=m, position_ids=p, use_cache=True)
-            ref = model(tok, cache=caches["eager"], **kw).logits
-            got = compiled(tok, cache=caches["compiled"], **kw).logits
+            ref = model(tok, **{CACHE: caches["eager"]}, **kw).logits
+            got = compiled(tok, **{CACHE: caches["compiled"]}, **kw).logits
             torch.testing.assert_close(got, ref, rtol=0, atol=TOL)
 
 
@@ -94,7 +94,7 @@ def test_compiled_decoding_rebuilds_the_running_sum_after_cache_operations():
     caches = {"eager": DynamicCache(config=model.config), "compiled": DynamicCache(config=model.config)}
     with torch.no_grad():
         for cache in caches.values():
-            model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+            model(ids, attention_mask=mask, position_ids=pos, **{CACHE: cache}, use_cache=True)
         for t, op in enumerate([None, "reorder", None, "crop", None]):
             for cache in caches.values():
                 if op == "reorder":
@@ -105,8 +105,8 @@ def test_compiled_decoding_rebuilds_the_running_sum_after_cache_operations():
             kw = dict(attention_mask=torch.ones(3, length + 1, dtype=mask.dtype),
                       position_ids=torch.full((3, 1), length), use_cache=True)
             tok = torch.tensor([[7 + t], [9], [11]])
-            ref = model(tok, cache=caches["eager"], **kw).logits
-            got = compiled(tok, cache=caches["compiled"], **kw).logits
+            ref = model(tok, **{CACHE: caches["eager"]}, **kw).logits
+            got = compiled(tok, **{CACHE: caches["compiled"]}, **kw).logits
             torch.testing.assert_close(got, ref, rtol=0, atol=TOL)
     layer = caches["compiled"].layers[0]
     assert layer._affine_vsrc is layer.values  # the compiled steps kept the running state on the cache layer

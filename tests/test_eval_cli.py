@@ -35,8 +35,9 @@ def model_dir(tmp_path_factory):
     return folder
 
 
-def test_eval_end_to_end(model_dir, tmp_path, monkeypatch, capsys):
+def test_eval_end_to_end(model_dir, tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # outside any git repository, where lm-eval's `git describe` used to complain
     texts = tmp_path / "heldout.jsonl"
     lines = (json.dumps({"text": f"Line {i}: the quick brown fox jumps over the lazy dog."}) for i in range(8))
     texts.write_text("".join(line + "\n" for line in lines))
@@ -44,7 +45,9 @@ def test_eval_end_to_end(model_dir, tmp_path, monkeypatch, capsys):
     args = parse(["eval", "--model", str(model_dir), "--tasks", "fixture_piqa,fixture_c4", "--limit", "4",
                   "--ppl", str(texts), "--seq-len", "64", "--stride", "32", "--batch-size", "4", "--out", str(out)])
     assert args.func(args) == 0
-    printed = capsys.readouterr().out
+    printed, err = capfd.readouterr()
+    assert "neither marked as CausalLM" not in err and "not a git repository" not in err
+    assert f"loading model {model_dir}: done in" in err
     results = json.loads((out / "results.json").read_text())
     assert set(results["tasks"]) == {"fixture_piqa", "fixture_c4"}
     assert results["tasks"]["fixture_piqa"]["samples"] == 4 and 0 <= results["tasks"]["fixture_piqa"]["acc"] <= 1
@@ -76,6 +79,28 @@ def test_argument_errors(model_dir, tmp_path):
     for bad in ("1.5", "0", "-2", "many"):
         with pytest.raises(SystemExit):
             parse(["eval", "--model", "m", "--tasks", "x", "--limit", bad])
+
+
+def test_task_names_and_a_missing_tokenizer_fail_before_the_model_loads(model_dir, tmp_path, monkeypatch):
+    import shutil
+
+    from affine_attention.hf import load
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(load, "load_model", no_load)
+    args = parse(["eval", "--model", str(model_dir), "--tasks", "fixture_piqa,arc_eazy", "--limit", "2"])
+    with pytest.raises(ValueError, match=r"unknown task\(s\): 'arc_eazy' \(did you mean arc_easy"):
+        args.func(args)
+    bare = tmp_path / "no_tokenizer"
+    bare.mkdir()
+    for f in model_dir.iterdir():
+        if f.name in ("config.json", "model.safetensors", "generation_config.json"):
+            shutil.copy(f, bare / f.name)
+    args = parse(["eval", "--model", str(bare), "--tasks", "fixtures"])
+    with pytest.raises(ValueError, match="has no tokenizer .* pass --tokenizer DIR"):
+        args.func(args)
 
 
 def test_cli_module_imports_cheaply():

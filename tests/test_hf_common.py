@@ -1,6 +1,8 @@
 """Helpers shared by the tests/test_hf_*.py files: tiny models per family, trained-looking variant state, batches."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -8,6 +10,12 @@ pytest.importorskip("transformers")
 
 import affine_attention  # noqa: E402,F401  (registers the converted model types)
 from affine_attention.hf.presets import build_model  # noqa: E402
+
+# transformers 5.24 renamed the forward argument `past_key_values` to `cache` (the old name still works there, with
+# a deprecation warning); tests pass a cache under the name the installed version takes: model(ids, **{CACHE: c}).
+from transformers import LlamaForCausalLM as _Llama  # noqa: E402
+
+CACHE = "cache" if "cache" in inspect.signature(_Llama.forward).parameters else "past_key_values"
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]  # tiny-mistral has a sliding window of 4 tokens
 VOCAB = 128

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 from test_hf_common import FAMILIES, left_padded, perturb, tiny
-from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel
+from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 from transformers.masking_utils import sliding_window_causal_mask_function
 
 import affine_attention
@@ -240,3 +240,33 @@ def test_converted_model_runs_under_bf16_autocast(variant):
     assert torch.isfinite(out).all()
     if variant == "softmax":
         torch.testing.assert_close(out, ref, rtol=0.05, atol=0.05)
+
+
+class MyLlama(LlamaForCausalLM):
+    """A user's subclass with a method of its own (kept after conversion)."""
+
+    def greeting(self):
+        return "hello"
+
+
+def test_convert_accepts_a_subclass_and_saves_a_checkpoint_of_the_family(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ref = tiny("llama")
+    model = MyLlama(ref.config)
+    model.load_state_dict(ref.state_dict())
+    model.eval()
+    for m in (ref, model):
+        affine_attention.convert(m, "affine")
+    assert isinstance(model, MyLlama) and model.greeting() == "hello"
+    assert isinstance(model, type(ref)) and model.config.model_type == "affine_llama"
+    ids = torch.randint(0, 128, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    model.save_pretrained(tmp_path)
+    assert model.config.auto_map == ref.config.auto_map
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(ref)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, ref(input_ids=ids).logits)

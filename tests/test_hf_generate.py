@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_hf_common import FAMILIES, VOCAB, left_padded, perturb, tiny
+from test_hf_common import CACHE, FAMILIES, VOCAB, left_padded, perturb, tiny
 from transformers import DynamicCache
 
 import affine_attention.hf.cache as value_cache
@@ -16,11 +16,11 @@ TOL = 1e-4
 def _stepped_logits(model, ids, mask, pos, prefill: int):
     """Prefill `prefill` tokens, then feed one token at a time; logits (B, T, V)."""
     cache = DynamicCache(config=model.config)
-    out = model(ids[:, :prefill], attention_mask=mask[:, :prefill], position_ids=pos[:, :prefill], cache=cache,
+    out = model(ids[:, :prefill], attention_mask=mask[:, :prefill], position_ids=pos[:, :prefill], **{CACHE: cache},
                 use_cache=True)
     logits = [out.logits]
     for t in range(prefill, ids.shape[1]):
-        out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1], cache=cache,
+        out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1], **{CACHE: cache},
                     use_cache=True)
         logits.append(out.logits)
     return torch.cat(logits, 1)
@@ -85,9 +85,9 @@ def test_running_sum_is_used_and_rebuilt_after_crop(monkeypatch):
     ids, mask, pos = left_padded(T=12)
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        model(ids[:, :6], attention_mask=mask[:, :6], position_ids=pos[:, :6], cache=cache)
+        model(ids[:, :6], attention_mask=mask[:, :6], position_ids=pos[:, :6], **{CACHE: cache})
         for t in range(6, 9):
-            model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1], cache=cache)
+            model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1], **{CACHE: cache})
         assert kinds == ["rebuilt"] * 2 + ["incremental"] * 6  # 2 layers: prefill, then 3 O(D) steps
         # Drop the last two tokens and continue with different ones: the stale sums must not be used.
         cache.crop(-2)
@@ -96,7 +96,7 @@ def test_running_sum_is_used_and_rebuilt_after_crop(monkeypatch):
         last = []
         for t in range(7, 10):
             out = model(new_ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1],
-                        cache=cache)
+                        **{CACHE: cache})
             last.append(out.logits)
         full = model(new_ids, attention_mask=mask[:, :10], position_ids=pos[:, :10]).logits
     assert kinds[8:14] == ["rebuilt"] * 2 + ["incremental"] * 4
@@ -130,8 +130,8 @@ def test_changed_key_mask_is_not_trusted(monkeypatch):
     def last_step():
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
-            model(ids[:, :8], attention_mask=mask[:, :8], position_ids=pos[:, :8], cache=cache)
-            return model(ids[:, 8:], attention_mask=changed, position_ids=pos[:, 8:], cache=cache).logits
+            model(ids[:, :8], attention_mask=mask[:, :8], position_ids=pos[:, :8], **{CACHE: cache})
+            return model(ids[:, 8:], attention_mask=changed, position_ids=pos[:, 8:], **{CACHE: cache}).logits
 
     kinds = _decode_kinds(monkeypatch)
     out = last_step()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_hf_common import perturb  # noqa: F401  (skips without transformers, registers the model types)
+from test_hf_common import CACHE, perturb  # noqa: F401  (skips without transformers, registers the model types)
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import affine_attention
@@ -78,9 +78,9 @@ def test_affine_conversion_saves_loads_and_decodes(smollm, tmp_path):
         # manual stepping from a prefill of all but the last 4 tokens
         cache = DynamicCache(config=loaded.config)
         n = ids.shape[1] - 4
-        logits = [loaded(ids[:, :n], cache=cache).logits]
+        logits = [loaded(ids[:, :n], **{CACHE: cache}).logits]
         for t in range(n, ids.shape[1]):
-            logits.append(loaded(ids[:, t:t + 1], cache=cache).logits)
+            logits.append(loaded(ids[:, t:t + 1], **{CACHE: cache}).logits)
         assert (torch.cat(logits, 1) - loaded(ids).logits).abs().max() <= 1e-3
 
 

@@ -2,6 +2,7 @@
 held-out text with `capture.AttentionRecorder`, write metrics.json and the paper's diagnostic figures."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -14,6 +15,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from .._environment import versions
+from .._progress import Steps, phase
+from ..variants import REFERENCE
 from .capture import AttentionRecorder, LayerRecord, find_variant_modules, utilisation
 
 __all__ = ["load_model", "read_texts", "token_windows", "record", "summarise", "write_figures", "analyze",
@@ -32,9 +35,9 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype = torch.flo
     """
     from ..hf import load
     from ..hf.convert import convert
-    from ..variants import REFERENCE
 
     model = load.load_model(spec, dtype=dtype)
+    info = load.describe(model, spec)  # before the conversion below: the architecture as saved
     try:
         find_variant_modules(model)
         converted = True
@@ -44,7 +47,6 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype = torch.flo
     model.to(device).eval()
     tok = load.load_tokenizer(spec if tokenizer is None else tokenizer)
     variants = sorted({m.name for _, _, m in find_variant_modules(model)})
-    info = load.describe(model, spec)
     info = {**info, "variants": variants, "converted_checkpoint": converted}
     return model, tok, info
 
@@ -217,18 +219,20 @@ def analyze(model: str, *, data: str | None = None, sequences: int = 10, length:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     t0 = time.perf_counter()
-    net, tok, info = load_model(model, device=device, tokenizer=tokenizer)
+    with (contextlib.nullcontext() if quiet else phase(f"loading model {model}")):
+        net, tok, info = load_model(model, device=device, tokenizer=tokenizer)
     t_load = time.perf_counter() - t0
     texts, data_desc = read_texts(data)
     ids = token_windows(tok, texts, sequences, length)
     if ids.shape[0] < sequences:
         say(f"note: the data hold only {ids.shape[0]} windows of {length} tokens (asked for {sequences})")
-    say(f"recording {info['architecture']} ({', '.join(info['variants'])}) on {ids.shape[0]} x {length} tokens, "
+    attention = ", ".join(info["variants"]) if info["converted_checkpoint"] else f"{REFERENCE} (unconverted)"
+    say(f"recording {info['architecture']} ({attention}) on {ids.shape[0]} x {length} tokens, "
         f"chunk {chunk}, device {device}")
     t1 = time.perf_counter()
-    tick = None if quiet else (lambda done, total: print(f"  {done}/{total} sequences, "
-                                                         f"{time.perf_counter() - t1:.0f} s", flush=True))
-    records = record(net, ids, chunk=chunk, batch_size=batch_size, progress=tick)
+    with (contextlib.nullcontext() if quiet else Steps("recording attention", int(ids.shape[0]), "sequence")) as bar:
+        records = record(net, ids, chunk=chunk, batch_size=batch_size,
+                         progress=None if bar is None else (lambda done, total: bar.update(done - bar.done)))
     t_rec = time.perf_counter() - t1
     out = Path(out)
     label = info["variants"][0] if len(info["variants"]) == 1 else "model"

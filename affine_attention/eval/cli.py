@@ -16,6 +16,21 @@ def _limit(text: str) -> int | float:
     return int(value) if value >= 1 else value
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _check_tokenizer_given(args) -> None:
+    """A model folder saved without a tokenizer needs --tokenizer: say so before the model loads."""
+    from pathlib import Path
+
+    folder = Path(args.model)
+    if args.tokenizer is None and (folder / "config.json").is_file() and \
+            not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        raise ValueError(f"the model folder {args.model} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
+                         "pass --tokenizer DIR, e.g. the folder of the model it was trained or converted from, or "
+                         "--tokenizer default for the packaged 4096-token tokenizer the tiny presets train with")
+
+
 def add_commands(subparsers) -> None:
     parser = subparsers.add_parser(
         "eval",
@@ -28,7 +43,8 @@ def add_commands(subparsers) -> None:
         ),
     )
     parser.add_argument("--model", required=True, help="local model directory (config.json + weights), a .gguf file or smollm2")
-    parser.add_argument("--tokenizer", help="local tokenizer directory or .gguf file (default: the model)")
+    parser.add_argument("--tokenizer", help="local tokenizer directory, .gguf file, or 'default' (the packaged "
+                        "tokenizer of the tiny presets); default: the model's own")
     parser.add_argument(
         "--tasks",
         help="comma-separated lm-eval task names; 'fixtures' = all offline fixture tasks, "
@@ -42,7 +58,8 @@ def add_commands(subparsers) -> None:
     parser.add_argument("--seq-len", type=int, default=1024, help="perplexity window length (default 1024)")
     parser.add_argument("--stride", type=int, help="perplexity sliding-window step (default: --seq-len, no overlap)")
     parser.add_argument("--limit", type=_limit, help="at most N documents per task (testing only)")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="sequences per forward pass, for the tasks and for --ppl (default 8)")
     parser.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: where the model loads)")
     parser.add_argument(
         "--offline",
@@ -63,12 +80,16 @@ def _run(args) -> int:
         raise ValueError(f"--ppl file {args.ppl!r} does not exist")
 
     # Heavy imports here, not at module level: the command line imports every area's cli module.
+    from .._progress import phase
     from ..hf.load import load_model, load_tokenizer
-    from .harness import evaluate, expand_tasks, format_table, write_results
+    from .harness import check_tasks, evaluate, format_table, write_results
     from .perplexity import perplexity
 
-    tasks = expand_tasks(args.tasks) if args.tasks else []  # validate before the slow model load
-    model = load_model(args.model, device=args.device)
+    # What can fail fast does so before the slow model load: task names, a missing tokenizer.
+    tasks = check_tasks(args.tasks, args.include_path) if args.tasks else []
+    _check_tokenizer_given(args)
+    with phase(f"loading model {args.model}"):
+        model = load_model(args.model, device=args.device)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
 
     if tasks:

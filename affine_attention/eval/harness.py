@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 # The paper's zero-shot tasks (lm-eval names), in the column order of its Table 1.
 PAPER_TASKS = ("winogrande", "piqa", "hellaswag", "arc_challenge", "arc_easy", "boolq")
@@ -190,6 +191,40 @@ def _task_manager(names: list[str], include_paths: list[str], user_paths: list) 
     return manager
 
 
+def check_tasks(tasks: str | Sequence[str], include_path=None) -> list[str]:
+    """The expanded task names, after checking that lm-eval knows each one (a ValueError naming the unknown ones,
+    with close matches); cheap next to a model load, so commands call it first."""
+    names = expand_tasks(tasks)
+    user_paths = _user_paths(include_path)
+    if user_paths or any(name not in FIXTURE_TASKS for name in names):
+        with tempfile.TemporaryDirectory(prefix="affine_attention_tasks_") as tmp:
+            fixture_tasks = materialize_fixture_tasks(tmp)
+            _task_manager(names, [str(fixture_tasks)] + [str(p) for p in user_paths], user_paths)
+    return names
+
+
+def _user_paths(include_path) -> list:
+    if include_path is None:
+        return []
+    user_paths = [include_path] if isinstance(include_path, (str, Path)) else list(include_path)
+    for path in user_paths:
+        if not Path(path).is_dir():
+            raise ValueError(f"include_path {str(path)!r} is not a folder of task YAMLs")
+    return user_paths
+
+
+def _quiet_git_hash() -> str | None:
+    """lm-eval records the git commit of the working directory by running `git describe`, whose "fatal: not a
+    git repository" reaches the user's terminal outside a repository; the same lookup, with git's stderr captured."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=True)
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return None
+    return out.stdout.strip() or None
+
+
 def _load_tasks(manager, names: list[str], offline: bool) -> list:
     """Build each requested task (this is where lm-eval loads the data); one clear error that names
     every task whose data could not be loaded."""
@@ -282,6 +317,7 @@ def evaluate(
         lm-eval reseeds, are restored afterwards.
     """
     import lm_eval
+    import lm_eval.evaluator
     from lm_eval.models.huggingface import HFLM
 
     names = expand_tasks(tasks)
@@ -289,13 +325,7 @@ def evaluate(
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if limit is not None and not (isinstance(limit, (int, float)) and limit > 0):
         raise ValueError(f"limit must be a positive number or None, got {limit!r}")
-    if include_path is None:
-        user_paths = []
-    else:
-        user_paths = [include_path] if isinstance(include_path, (str, Path)) else list(include_path)
-    for path in user_paths:
-        if not Path(path).is_dir():
-            raise ValueError(f"include_path {str(path)!r} is not a folder of task YAMLs")
+    user_paths = _user_paths(include_path)
     offline = is_offline() if offline is None else bool(offline)
 
     if device is not None:
@@ -307,8 +337,11 @@ def evaluate(
         manager = _task_manager(names, [str(fixture_tasks)] + [str(p) for p in user_paths], user_paths)
         built = _load_tasks(manager, names, offline)
         try:
-            with _preserve_rng(model):
-                lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)  # sets eval mode
+            # backend="causal": lm-eval cannot tell from a converted model type (affine_llama, ...) that it is a
+            # causal LM and warns that it is "neither marked as CausalLM or Seq2SeqLM".
+            with _preserve_rng(model), mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", _quiet_git_hash):
+                lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
+                          backend="causal")  # sets eval mode
                 raw = lm_eval.simple_evaluate(
                     model=lm, tasks=built, task_manager=manager, limit=limit, log_samples=False, batch_size=batch_size
                 )

@@ -10,7 +10,7 @@ _LAZY = {
     "convert": "convert", "variant_spec": "layers", "make_spec": "layers",
     "register": "models", "supported_families": "models",
     "PRESETS": "presets", "preset_config": "presets", "build_model": "presets", "parameter_overhead": "presets",
-    "ATTN_IMPLEMENTATION": "attention",
+    "ATTN_IMPLEMENTATION": "attention", "peft_config": "peft",
 }
 
 __all__ = sorted(_LAZY)

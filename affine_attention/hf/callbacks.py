@@ -4,6 +4,7 @@ from __future__ import annotations
 from transformers import TrainerCallback
 
 from ..variants.running_stats import step_running_stats
+from .peft import check_adapter
 
 
 class RunningStatsCallback(TrainerCallback):
@@ -17,6 +18,10 @@ class RunningStatsCallback(TrainerCallback):
 
     def __init__(self, group=None):
         self.group = group
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            check_adapter(model)  # a PEFT model built without peft_config: warn before training, not after saving
 
     def on_optimizer_step(self, args, state, control, model=None, **kwargs):
         if model is None:

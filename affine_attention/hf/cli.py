@@ -10,12 +10,14 @@ def _millions(n: int) -> str:
 
 def overhead_table(presets: list[str], variants: list[str]) -> str:
     """Markdown table: one row per preset, its base size and each variant's added parameters."""
+    from .._progress import Steps
     from .presets import parameter_overheads
 
     lines = ["| preset | base params | " + " | ".join(variants) + " |",
              "|---|---:|" + "---:|" * len(variants)]
-    for preset in presets:
-        base, extra = parameter_overheads(preset, variants)
+    with Steps("building models on the meta device", len(presets) * len(variants), unit="model") as steps:
+        rows = [(preset, *parameter_overheads(preset, variants, done=steps.update)) for preset in presets]
+    for preset, base, extra in rows:
         lines.append(f"| {preset} | {base / 1e6:,.1f}M | " + " | ".join(_millions(extra[v]) for v in variants) + " |")
     return "\n".join(lines)
 
@@ -40,7 +42,11 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser("params", help="parameters each attention variant adds to a model preset",
                               description="Print a markdown table of the trainable parameters each variant adds "
                                           "(built on the meta device, no download).")
+    from ..variants import variant_names
+    from .presets import PAPER_PRESETS, PRESETS
+
     p.add_argument("--preset", action="append", metavar="P",
-                   help="preset name (repeatable; default: the paper's qwen1.5-0.5b, llama-3.2-1b, llama-3.2-3b)")
-    p.add_argument("--variant", action="append", metavar="V", help="variant name (repeatable; default: all)")
+                   help=f"preset name, repeatable: {', '.join(PRESETS)} (default: {', '.join(PAPER_PRESETS)})")
+    p.add_argument("--variant", action="append", metavar="V",
+                   help=f"variant name, repeatable: {', '.join(variant_names())} (default: all)")
     p.set_defaults(func=_params)

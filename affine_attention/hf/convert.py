@@ -14,7 +14,8 @@ from .layers import CONFIG_KEY, VARIANT_ATTR, attach_variants, attention_layers,
 
 
 def convert(model: nn.Module, variant: str, *, function_preserving: bool = False, **options) -> nn.Module:
-    """Convert a transformers Llama / Qwen2 / Qwen3 / Mistral causal LM in place to an attention variant.
+    """Convert a transformers Llama / Qwen2 / Qwen3 / Mistral causal LM (or a subclass of one) in place to an
+    attention variant.
 
     function_preserving=True (a retrofit, for continued training of a pretrained model): the converted model computes
     what it computed before and every new parameter still receives gradient. Each variant starts in a state whose
@@ -36,7 +37,7 @@ def convert(model: nn.Module, variant: str, *, function_preserving: bool = False
                          "variants; set `model.config.attention_dropout = 0.0` first")
     if not isinstance(function_preserving, bool):
         raise ValueError(f"function_preserving must be True or False, got {function_preserving!r}")
-    config_cls, model_cls = models.affine_classes(family)
+    config_cls, model_cls = models.affine_classes(family, type(model))
     if function_preserving:
         # A variant that cannot preserve the function says so before anything is attached.
         build_variant(variant, layer_shape(model.config, attention_layers(model)[0]), **spec["options"]).retrofit()

@@ -178,22 +178,37 @@ def supported_families() -> list[str]:
 
 
 def family_of(model) -> str:
-    """The family of an unconverted supported causal LM; ValueError for anything else (incl. converted models)."""
+    """The family of an unconverted supported causal LM (or of a subclass of one); ValueError for anything else,
+    converted models included."""
     if isinstance(model, AffineModelMixin) or getattr(getattr(model, "config", None), layers.CONFIG_KEY, None):
         spec = getattr(model.config, layers.CONFIG_KEY, None) or {}
         raise ValueError(f"this model is already converted (variant {spec.get('variant')!r}); converting twice "
                          "would stack variants: convert the original model instead")
-    for family, cls in _ORIGINALS.items():
-        if type(model) is cls:
-            return family
+    families = {cls: family for family, cls in _ORIGINALS.items()}
+    for cls in type(model).__mro__:  # the nearest supported ancestor
+        if cls in families:
+            return families[cls]
     names = ", ".join(c.__name__ for c in _ORIGINALS.values())
-    raise ValueError(f"cannot convert {type(model).__name__}: supported models are {names} (the causal LM classes "
-                     "themselves, as built by AutoModelForCausalLM)")
+    raise ValueError(f"cannot convert {type(model).__name__}: supported models are {names} and their subclasses "
+                     "(the causal LM classes, as built by AutoModelForCausalLM); a model with another attention "
+                     "module needs a family of its own (docs/architecture.md, 'A model family')")
 
 
-def affine_classes(family: str):
-    """(config class, model class) of converted checkpoints of `family`."""
-    return _CLASSES[family]
+def affine_classes(family: str, model_cls: type | None = None):
+    """(config class, model class) of converted checkpoints of `family`. For `model_cls`, a user's subclass of the
+    family's transformers class, the model class is a subclass of both, so its own methods keep running in memory;
+    its checkpoints record the family (they load as the family's converted class: code is never saved)."""
+    config_cls, converted = _CLASSES[family]
+    if model_cls is None or model_cls is _ORIGINALS[family]:
+        return config_cls, converted
+    if model_cls not in _SUBCLASSES:
+        _SUBCLASSES[model_cls] = type(f"Affine{model_cls.__name__}", (converted, model_cls), {
+            "__module__": model_cls.__module__, "__doc__": f"{model_cls.__name__} converted by affine_attention.",
+            "hub_auto_map": converted.hub_auto_map})  # the Hub loader names the family's class
+    return config_cls, _SUBCLASSES[model_cls]
+
+
+_SUBCLASSES: dict[type, type] = {}
 
 
 def register() -> None:

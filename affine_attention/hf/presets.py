@@ -86,15 +86,21 @@ def _count(model) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() yields tied weights once
 
 
-def parameter_overheads(preset: str, variants: list[str]) -> tuple[int, dict[str, int]]:
-    """(base parameters of `preset`, {variant: trainable parameters it adds}), building the meta model once."""
+def parameter_overheads(preset: str, variants: list[str], done=None) -> tuple[int, dict[str, int]]:
+    """(base parameters of `preset`, {variant: trainable parameters it adds}), building the meta model once.
+    done: called with no argument after each variant (progress of a long table)."""
     import copy
 
     from .convert import convert
 
     base = build_model(preset)
     before = _count(base)
-    return before, {v: _count(convert(copy.deepcopy(base), v)) - before for v in variants}
+    extra = {}
+    for v in variants:
+        extra[v] = _count(convert(copy.deepcopy(base), v)) - before
+        if done is not None:
+            done()
+    return before, extra
 
 
 def parameter_overhead(preset: str, variant: str) -> int:
