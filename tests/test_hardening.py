@@ -354,7 +354,8 @@ def test_eval_and_analyze_refuse_pickles_in_one_line(tmp_path):
     (folder / "config.json").write_text('{"model_type": "llama"}')
     (folder / "pytorch_model.bin").write_bytes(b"\x80\x04x")
     for args in (["analyze", "--model", str(folder), "--out", str(tmp_path / "a")],
-                 ["eval", "--model", str(folder), "--tasks", "fixtures", "--out", str(tmp_path / "e")]):
+                 ["eval", "--model", str(folder), "--tokenizer", "default", "--tasks", "fixtures", "--out",
+                  str(tmp_path / "e")]):
         _one_error_line(cli(args, check=False), "pickled weights only")
 
 
