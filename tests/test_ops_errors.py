@@ -27,7 +27,7 @@ def _alpha():
     (lambda: affine_scaled_attention(*_qkv(), *_alpha(), attn_mask=torch.zeros(B, 1, T, T)),
      r"attn_mask must be a boolean tensor"),
     (lambda: affine_scaled_attention(*_qkv(), *_alpha(), bias_norm="mean"), r"bias_norm must be"),
-    (lambda: affine_scaled_attention(*_qkv(), *_alpha(), scale=-1.0), r"scale must be a positive"),
+    (lambda: affine_scaled_attention(*_qkv(), *_alpha(), scale=-1.0), r"scale must be a finite positive"),
     (lambda: affine_scaled_attention(torch.randn(B, H, T, D), torch.randn(B, H, T, D + 1),
                                      torch.randn(B, H, T, D + 1), *_alpha()), r"k and v must be"),
     (lambda: affine_scaled_attention(*_qkv(), *_alpha(), v_mean=torch.zeros(B, H, T, D + 1)), r"v_mean must have"),

@@ -61,7 +61,7 @@ def test_resume_refuses_a_changed_config_and_a_missing_run(tiny, tmp_path):
 
     cfg = load_config("tiny", tiny + ["train.steps=2", "variant.name='sink'"])
     train(cfg, tmp_path / "r", log=lambda m: None)
-    with pytest.raises(ValueError, match="already holds a run; pass --resume"):
+    with pytest.raises(ValueError, match=r"already holds a run \(metrics.jsonl, result.json, final\)"):
         train(cfg, tmp_path / "r", log=lambda m: None)
     with pytest.raises(ValueError, match=r"different config \(optim.lr: checkpoint 0.003, now 0.5\)"):
         train(load_config("tiny", tiny + ["train.steps=2", "variant.name='sink'", "optim.lr=0.5"]), tmp_path / "r",
@@ -69,5 +69,9 @@ def test_resume_refuses_a_changed_config_and_a_missing_run(tiny, tmp_path):
     said = []
     train(cfg, tmp_path / "r", resume=True, log=said.append)
     assert any("already complete" in m for m in said)
-    with pytest.raises(ValueError, match="no checkpoint in"):
+    with pytest.raises(ValueError, match="the run folder .* does not exist"):
         train(cfg, tmp_path / "nothing", resume=True, log=lambda m: None)
+    assert not (tmp_path / "nothing").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no checkpoint in"):
+        train(cfg, tmp_path / "empty", resume=True, log=lambda m: None)

@@ -14,6 +14,8 @@ from .attention import capture_attention_input
 CONFIG_KEY = "affine_attention"  # config.affine_attention = {"variant": name, "options": {...}}
 VARIANT_ATTR = "attn_variant"  # new parameters are named ...self_attn.attn_variant.<name>
 _HOOK_ATTR = "_affine_attention_hook"
+# The keys of config.affine_attention; "retrofit" is written by convert(..., function_preserving=True).
+SPEC_KEYS = {"variant", "options", "retrofit"}
 
 
 def make_spec(variant: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -31,10 +33,25 @@ def spec_from_config(config) -> dict[str, Any]:
         raise ValueError(
             f"config.{CONFIG_KEY} must be a dict {{'variant': name, 'options': {{...}}}} naming one of "
             f"{variant_names()}, got {spec!r}; build converted models with `affine_attention.convert(model, variant)`")
+    unknown = sorted(set(spec) - SPEC_KEYS)
+    if unknown:
+        raise ValueError(f"config.{CONFIG_KEY} has unknown key(s) {unknown}; expected {sorted(SPEC_KEYS)}")
     options = spec.get("options") or {}
     if not isinstance(options, Mapping):
         raise ValueError(f"config.{CONFIG_KEY}['options'] must be a dict, got {options!r}")
     return make_spec(spec["variant"], options)
+
+
+def check_saved_spec(config, where: str) -> None:
+    """A saved config must record every option of its variant (convert writes them all): loading one with options
+    missing would silently run the defaults, which may differ from what the weights were trained with."""
+    spec = spec_from_config(config)
+    saved = getattr(config, CONFIG_KEY).get("options") or {}
+    missing = sorted(set(spec["options"]) - set(saved))
+    if missing:
+        raise ValueError(f"{where}: config.json's {CONFIG_KEY}.options lacks {missing} of the {spec['variant']!r} "
+                         f"variant; a saved model must record every option (write them back, e.g. "
+                         f"{ {k: spec['options'][k] for k in missing} }, or save it again with save_pretrained)")
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:

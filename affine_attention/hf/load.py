@@ -55,6 +55,24 @@ def _local(spec: str, hub: bool, what: str) -> tuple[str, dict[str, Any]]:
     return path, {"local_files_only": True}
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def _refuse_pickles(spec: str, folder: Path) -> None:
+    """A local folder whose weights exist only as pickles (e.g. pytorch_model.bin) is refused, never unpickled."""
+    if not folder.is_dir() or any(folder.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise ValueError(f"model {spec!r} holds pickled weights only ({', '.join(pickles[:3])}), which this package "
+                         "never loads (unpickling runs arbitrary code); convert them to safetensors first, e.g. "
+                         "`AutoModelForCausalLM.from_pretrained(path).save_pretrained(path, safe_serialization=True)` "
+                         "in a trusted environment")
+    raise ValueError(f"model {spec!r} has no *.safetensors weights; pass a folder written by save_pretrained")
+
+
 def load_model(spec: str, *, dtype=None, device=None, hub: bool = False, frozen: bool = False):
     """A transformers causal LM from `spec` (see module docstring), in eval mode, on `device` when given.
 
@@ -65,6 +83,9 @@ def load_model(spec: str, *, dtype=None, device=None, hub: bool = False, frozen:
     from . import models  # noqa: F401  (registers the converted architectures so their checkpoints load)
 
     path, kwargs = _local(spec, hub, "model")
+    if "gguf_file" not in kwargs:
+        _refuse_pickles(spec, Path(path))
+        kwargs["use_safetensors"] = True  # never unpickle weights (torch.load runs arbitrary code)
     if dtype is not None:
         kwargs["dtype"] = dtype
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -86,15 +107,25 @@ def load_tokenizer(spec: str, *, hub: bool = False):
     from transformers import AutoTokenizer
 
     path, kwargs = resolve(spec)
+    local = Path(path).expanduser()
     if not kwargs and not hub:
-        if not Path(path).is_dir():
+        if not local.is_dir():
             raise ValueError(f"tokenizer {spec!r}: not a local folder, a .gguf file or 'smollm2' "
                              "(this command never downloads tokenizers)")
         kwargs = {"local_files_only": True}
+    if not kwargs.get("gguf_file") and local.exists():
+        if not local.is_dir():
+            raise ValueError(f"tokenizer {spec!r} is a file; pass the folder holding tokenizer.json (or a .gguf file)")
+        if not any((local / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(f"tokenizer {spec!r}: the folder holds no tokenizer (none of "
+                             f"{', '.join(TOKENIZER_FILES)}); pass the folder a tokenizer was saved to, or 'default'")
+        kwargs["local_files_only"] = True
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as err:
-        raise ValueError(f"no tokenizer found for {spec!r} ({err}); pass the tokenizer's folder") from None
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ValueError(f"no tokenizer could be loaded from {spec!r} ({first}); pass the tokenizer's folder, a .gguf "
+                         "file, 'smollm2' or 'default'") from None
 
 
 def describe(model, spec: str) -> dict[str, Any]:

@@ -77,12 +77,20 @@ class AffineModelMixin:
         """transformers' loader, then a check it does not make: every variant weight must come from the
         checkpoint (a missing one would run with an arbitrary value)."""
         want_info = kwargs.pop("output_loading_info", False)
+        where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         try:
             model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         except SafetensorError as err:
-            where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
             raise ValueError(f"cannot read the weights of the checkpoint at {where}: {err}. A safetensors file there "
                              "is truncated or corrupted; save or download it again") from err
+        layers.check_saved_spec(model.config, str(where))
+        unexpected = [k for k in info.get("unexpected_keys", ()) if f".{layers.VARIANT_ATTR}." in k]
+        if unexpected:
+            raise ValueError(f"the checkpoint at {where} holds {len(unexpected)} attention-variant weight(s) that its "
+                             f"config's variant ({model.config.affine_attention['variant']!r}, options "
+                             f"{model.config.affine_attention.get('options')}) does not use, e.g. "
+                             f"{sorted(unexpected)[:3]}; its config.json does not match its weights (was "
+                             f"{layers.CONFIG_KEY} edited?)")
         missing = [k for k in info.get("missing_keys", ()) if f".{layers.VARIANT_ATTR}." in k]
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} weight(s) of its attention variant "

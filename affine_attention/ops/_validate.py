@@ -1,6 +1,8 @@
 """Argument checks shared by every attention op: clear ValueErrors naming the argument and the expected shape."""
 from __future__ import annotations
 
+import math
+
 from torch import Tensor
 
 
@@ -14,12 +16,17 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> tuple[int, i
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
     B, Hq, T, D = q.shape
+    if D == 0:
+        raise ValueError(f"q, k and v need a head dimension D >= 1, got shape {tuple(q.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape (B, Hkv, S, D), got k {tuple(k.shape)} and v {tuple(v.shape)}")
     Bk, Hkv, S, Dk = k.shape
     if Bk != B or Dk != D:
         raise ValueError(
             f"k and v must be (B={B}, Hkv, S, D={D}) to match q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if S == 0:
+        raise ValueError(f"k and v must hold at least one key (S >= 1), got shape {tuple(k.shape)}; with no keys "
+                         "there is nothing to attend to")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.device != k.device or q.device != v.device:
@@ -33,30 +40,44 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> tuple[int, i
     return B, Hq, Hkv, T, S, D
 
 
-def check_per_query(name: str, x: Tensor, B: int, Hq: int, T: int) -> None:
-    """Validate a per-query tensor x: (B, Hq, T), e.g. alpha."""
+def _check_float_on(name: str, x: Tensor, device) -> None:
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got dtype {x.dtype}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name} is on {x.device} but q is on {device}; move it with `.to(q.device)`")
+
+
+def check_per_query(name: str, x: Tensor, B: int, Hq: int, T: int, device=None) -> None:
+    """Validate a per-query tensor x: (B, Hq, T), e.g. alpha, on `device` (q's) when given."""
     if not isinstance(x, Tensor) or tuple(x.shape) != (B, Hq, T):
         got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
         raise ValueError(f"{name} must have shape (B, Hq, T) = {(B, Hq, T)}, got {got}")
-    if not x.is_floating_point():
-        raise ValueError(f"{name} must be floating point, got dtype {x.dtype}")
+    _check_float_on(name, x, device)
 
 
-def check_per_head(name: str, x: Tensor, Hq: int) -> None:
-    """Validate a per-head tensor x: (Hq,), e.g. alpha_ma or sinks."""
+def check_per_head(name: str, x: Tensor, Hq: int, device=None) -> None:
+    """Validate a per-head tensor x: (Hq,), e.g. alpha_ma or sinks, on `device` (q's) when given."""
     if not isinstance(x, Tensor) or tuple(x.shape) != (Hq,):
         got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
         raise ValueError(f"{name} must have shape (Hq,) = ({Hq},), one value per query head, got {got}")
-    if not x.is_floating_point():
-        raise ValueError(f"{name} must be floating point, got dtype {x.dtype}")
+    _check_float_on(name, x, device)
+
+
+def check_v_mean(v_mean: Tensor, B: int, Hq: int, Hkv: int, T: int, D: int, device) -> None:
+    """Validate a precomputed mean of visible values: (B, Hkv or Hq, T or 1, D), floating point, on q's device."""
+    if not isinstance(v_mean, Tensor) or v_mean.dim() != 4 or v_mean.shape[0] != B or v_mean.shape[-1] != D \
+            or v_mean.shape[-2] not in (1, T) or v_mean.shape[1] not in (Hkv, Hq):
+        got = tuple(v_mean.shape) if isinstance(v_mean, Tensor) else type(v_mean).__name__
+        raise ValueError(f"v_mean must have shape (B, Hkv, T, D) = {(B, Hkv, T, D)}, got {got}")
+    _check_float_on("v_mean", v_mean, device)
 
 
 def check_scale(scale: float | None, D: int) -> float:
     """Default scale 1/sqrt(D), as torch SDPA."""
     if scale is None:
         return D ** -0.5
-    if not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive number or None (1/sqrt(D)), got {scale!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite positive number or None (1/sqrt(D)), got {scale!r}")
     return float(scale)
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ._validate import check_bias_norm, check_per_head, check_per_query, check_qkv, check_scale
+from ._validate import check_bias_norm, check_per_head, check_per_query, check_qkv, check_scale, check_v_mean
 from .backends import attention as kernel_attention
 from .epilogue import epilogue
+from .isolate import isolate_nonfinite, poison_seen
 from .masks import parse_mask
 from .value_mean import ValueMean
 
@@ -55,26 +56,29 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
     if (alpha is None) != (alpha_ma is None):
         raise ValueError("alpha (B, Hq, T) and alpha_ma (Hq,) come together (the affine part) or not at all")
     if alpha is not None:
-        check_per_query("alpha", alpha, B, Hq, T)
-        check_per_head("alpha_ma", alpha_ma, Hq)
+        check_per_query("alpha", alpha, B, Hq, T, q.device)
+        check_per_head("alpha_ma", alpha_ma, Hq, q.device)
     elif v_mean is not None:
         raise ValueError("v_mean is the affine bias term's mean of V: it needs alpha and alpha_ma")
     if sinks is not None:
-        check_per_head("sinks", sinks, Hq)
+        check_per_head("sinks", sinks, Hq, q.device)
     check_bias_norm(bias_norm)
     scale = check_scale(scale, D)
     mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device, window=window, document_ids=document_ids)
-    if v_mean is not None and (v_mean.dim() != 4 or v_mean.shape[0] != B or v_mean.shape[-1] != D
-                               or v_mean.shape[-2] not in (1, T) or v_mean.shape[1] not in (Hkv, Hq)):
-        raise ValueError(f"v_mean must have shape (B, Hkv, T, D) = {(B, Hkv, T, D)}, got {tuple(v_mean.shape)}")
+    if v_mean is not None:
+        check_v_mean(v_mean, B, Hq, Hkv, T, D, q.device)
 
+    # A non-finite key or value that the mask hides must reach no output (isolate.py).
+    k, v, seen = isolate_nonfinite(k, v, mask, Hq)
     out, _ = kernel_attention(q, k, v, mask, scale, sinks=sinks, backend=backend)
     if alpha is None:
-        return epilogue(out, gate=gate, impl=epilogue_impl)
+        return poison_seen(epilogue(out, gate=gate, impl=epilogue_impl), seen)
     if v_mean is None:
         mean = ValueMean(mask, Hq, bias_norm)
         if mean.has_transpose:
             # Prefix-sum masks: the epilogue recomputes the mean from v in backward instead of saving it.
-            return epilogue(out, alpha=alpha, alpha_ma=alpha_ma, v=v, mean=mean, gate=gate, impl=epilogue_impl)
+            return poison_seen(epilogue(out, alpha=alpha, alpha_ma=alpha_ma, v=v, mean=mean, gate=gate,
+                                        impl=epilogue_impl), seen)
         v_mean = mean(v)  # other masks: differentiated by autograd, kept for backward
-    return epilogue(out, alpha=alpha, alpha_ma=alpha_ma, v_mean=v_mean, gate=gate, impl=epilogue_impl)
+    return poison_seen(epilogue(out, alpha=alpha, alpha_ma=alpha_ma, v_mean=v_mean, gate=gate, impl=epilogue_impl),
+                       seen)

@@ -71,7 +71,7 @@ def sink_attention_reference(q, k, v, sinks, *, attn_mask=None, is_causal=False,
                             window=None, document_ids=None):
     """Sink attention; sinks: (Hq,). Returns (out (B, Hq, T, D), w (B, Hq, T, S)); sink mass = 1 - w.sum(-1)."""
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
-    check_per_head("sinks", sinks, Hq)
+    check_per_head("sinks", sinks, Hq, q.device)
     vis = visible_mask(attn_mask, is_causal, T, S, q.device, window=window, document_ids=document_ids)
     w = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa), vis, extra_logit=sinks)
     return w @ _expand_v(v, Hq), w
@@ -85,8 +85,8 @@ def affine_scaled_attention_reference(q, k, v, alpha, alpha_ma, *, attn_mask=Non
     Returns (out (B, Hq, T, D), a (B, Hq, T, S)).
     """
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
-    check_per_query("alpha", alpha, B, Hq, T)
-    check_per_head("alpha_ma", alpha_ma, Hq)
+    check_per_query("alpha", alpha, B, Hq, T, q.device)
+    check_per_head("alpha_ma", alpha_ma, Hq, q.device)
     check_bias_norm(bias_norm)
     vis = visible_mask(attn_mask, is_causal, T, S, q.device, window=window, document_ids=document_ids)
     p = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa), vis)

@@ -6,6 +6,7 @@ from torch import Tensor
 
 from ._validate import check_per_head, check_qkv, check_scale
 from .backends import attention as kernel_attention
+from .isolate import isolate_nonfinite, poison_seen
 from .masks import parse_mask
 
 
@@ -19,10 +20,11 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, *, attn_mask:
     Mask semantics (attn_mask, is_causal, window, document_ids) and backend as affine_scaled_attention.
     """
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
-    check_per_head("sinks", sinks, Hq)
+    check_per_head("sinks", sinks, Hq, q.device)
     scale = check_scale(scale, D)
     mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device, window=window, document_ids=document_ids)
-    return kernel_attention(q, k, v, mask, scale, sinks=sinks, backend=backend)[0]
+    k, v, seen = isolate_nonfinite(k, v, mask, Hq)
+    return poison_seen(kernel_attention(q, k, v, mask, scale, sinks=sinks, backend=backend)[0], seen)
 
 
 def off_by_one_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
@@ -49,4 +51,5 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | No
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
     scale = check_scale(scale, D)
     mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device, window=window, document_ids=document_ids)
-    return kernel_attention(q, k, v, mask, scale, backend=backend)[0]
+    k, v, seen = isolate_nonfinite(k, v, mask, Hq)
+    return poison_seen(kernel_attention(q, k, v, mask, scale, backend=backend)[0], seen)

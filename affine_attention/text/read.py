@@ -22,6 +22,10 @@ def expand(patterns: Sequence[str]) -> list[Path]:
         matches = sorted(glob.glob(os.path.expanduser(str(pattern))))
         if not matches:
             raise ValueError(f"data file pattern {str(pattern)!r} matches no file")
+        for m in matches:
+            if not os.path.isfile(m):
+                raise ValueError(f"data path {m!r} (from {str(pattern)!r}) is not a file; name files or a glob "
+                                 f"such as {os.path.join(m, '*.jsonl')!r}")
         out.extend(Path(m) for m in matches)
     return out
 
@@ -29,8 +33,13 @@ def expand(patterns: Sequence[str]) -> list[Path]:
 def json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed value) of every non-blank line of a JSON Lines file; malformed JSON raises ValueError
     naming the file and line."""
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}: line {n}: not UTF-8 text ({err.reason} at byte {err.start}); "
+                                 "re-encode the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -44,8 +53,16 @@ def file_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
     field `text_field`; .parquet the column `text_field`."""
     path = Path(path)
     suffix = path.suffix.lower()
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file; pass a {FILE_TYPES} file")
     if suffix in (".txt", ".md"):
-        yield path.read_text(encoding="utf-8")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            line = path.read_bytes()[:err.start].count(b"\n") + 1
+            raise ValueError(f"{path}: line {line}: not UTF-8 text ({err.reason} at byte {err.start}); "
+                             "re-encode the file as UTF-8") from None
+        yield text
     elif suffix in (".jsonl", ".json"):
         for n, obj in json_lines(path):
             if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):

@@ -113,17 +113,40 @@ def save(target: Path, *, model, model_sd: dict, optim_sd: dict, tokenizer, trai
     return target
 
 
-def verify(path: Path) -> str | None:
-    """None when the checkpoint is intact, else why not (missing manifest, missing file, size or hash mismatch)."""
-    path = Path(path)
+def _manifest(path: Path) -> tuple[dict | None, str | None]:
+    """(manifest, None) when MANIFEST.json is well formed, else (None, why not). Well formed: a JSON object with the
+    known format, an integer step and `files` mapping relative paths to {"size": int, "sha256": str}."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
     except FileNotFoundError:
-        return f"{MANIFEST} is missing (the save did not finish)"
+        return None, f"{MANIFEST} is missing (the save did not finish)"
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return f"{MANIFEST} is not valid JSON"
+        return None, f"{MANIFEST} is not valid JSON"
+    if not isinstance(manifest, dict):
+        return None, f"{MANIFEST} is not a JSON object (got {type(manifest).__name__})"
     if manifest.get("format") != FORMAT:
-        return f"unknown checkpoint format {manifest.get('format')!r}"
+        return None, f"unknown checkpoint format {manifest.get('format')!r}"
+    step, files = manifest.get("step"), manifest.get("files")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return None, f"{MANIFEST} has no valid 'step' (got {step!r})"
+    if not isinstance(files, dict) or not files:
+        return None, f"{MANIFEST} has no 'files' table"
+    for rel, info in files.items():
+        if (not isinstance(info, dict) or isinstance(info.get("size"), bool) or not isinstance(info.get("size"), int)
+                or not isinstance(info.get("sha256"), str)):
+            return None, f"{MANIFEST} entry {rel!r} is not {{'size': int, 'sha256': str}}"
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            return None, f"{MANIFEST} entry {rel!r} points outside the checkpoint"
+    return manifest, None
+
+
+def verify(path: Path) -> str | None:
+    """None when the checkpoint is intact, else why not (missing or malformed manifest, missing file, size or hash
+    mismatch)."""
+    path = Path(path)
+    manifest, problem = _manifest(path)
+    if problem:
+        return problem
     for rel, info in manifest["files"].items():
         f = path / rel
         if not f.is_file():
@@ -135,40 +158,85 @@ def verify(path: Path) -> str | None:
     return None
 
 
+def unlisted(path: Path) -> list[str]:
+    """Files in a checkpoint folder that its manifest does not list (never loaded)."""
+    manifest, _ = _manifest(path)
+    listed = set(manifest["files"]) if manifest else set()
+    return sorted(str(p.relative_to(path)) for p in Path(path).rglob("*")
+                  if p.is_file() and p.name != MANIFEST and str(p.relative_to(path)) not in listed)
+
+
 def candidates(run_dir: Path) -> list[tuple[int, Path]]:
     """Checkpoint folders of a run as (step, path), newest first (`final` counts with its step)."""
     found = []
     for p in list((Path(run_dir) / "checkpoints").glob("step-*")) + [Path(run_dir) / "final"]:
         if not p.is_dir():
             continue
-        try:
-            step = json.loads((p / MANIFEST).read_text())["step"] if (p / MANIFEST).is_file() \
-                else int(p.name.split("-")[1])
-        except (ValueError, IndexError, KeyError, json.JSONDecodeError):
-            step = -1
+        manifest, _ = _manifest(p)
+        if manifest is not None:
+            step = manifest["step"]
+        else:
+            try:
+                step = int(p.name.split("-")[1])
+            except (ValueError, IndexError):
+                step = -1
         found.append((step, p))
     return sorted(found, key=lambda sp: (sp[0], sp[1].name == "final"), reverse=True)
 
 
+def recover_partial(run_dir: Path, log=print) -> None:
+    """Deal with what a save killed mid-way leaves (hidden .tmp-NAME-* / .old-NAME-* folders), saying what it does:
+    a finished temporary folder whose target is missing takes its name (only the rename was lost), an old copy
+    whose replacement is missing is put back, everything else is removed."""
+    for parent in (Path(run_dir), Path(run_dir) / "checkpoints"):
+        if not parent.is_dir():
+            continue
+        for kind in (".tmp-", ".old-"):
+            for p in sorted(parent.glob(f"{kind}*")):
+                name = p.name[len(kind):].rsplit("-", 1)[0]
+                target = parent / name
+                if p.is_dir() and not target.exists() and verify(p) is None:
+                    os.replace(p, target)
+                    log(f"checkpoint {target} restored from {p.name}, left by a save that was killed")
+                else:
+                    if p.is_dir():
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        p.unlink(missing_ok=True)
+                    log(f"removed {p}, a partial checkpoint left by a save that was killed")
+
+
 def newest_intact(run_dir: Path, log=print) -> Path:
-    """The newest checkpoint that verifies; says which damaged ones it skipped. Raises if none is intact."""
+    """The newest checkpoint that verifies; says which damaged ones it skipped. Raises if none is intact.
+    (Call `recover_partial` first, on one process.)"""
     found = candidates(run_dir)
     if not found:
         raise ValueError(f"--resume: no checkpoint in {run_dir} (looked in checkpoints/step-* and final/)")
     for step, path in found:
         problem = verify(path)
         if problem is None:
+            extra = unlisted(path)
+            if extra:
+                log(f"checkpoint {path}: ignoring {len(extra)} file(s) its {MANIFEST} does not list: {extra[:5]}")
             return path
         log(f"checkpoint {path} is damaged: {problem}; trying the next newest")
     raise ValueError(f"--resume: no intact checkpoint in {run_dir}; every one failed verification (see above)")
 
 
 def load_training_state(path: Path) -> dict[str, Any]:
-    """Read a verified checkpoint: model and optimizer state dicts, RNG, trainer_state. No pickles."""
+    """Read a verified checkpoint: model and optimizer state dicts, RNG, trainer_state. No pickles; only the files
+    its manifest lists."""
     path = Path(path)
+    manifest, problem = _manifest(path)
+    if problem:
+        raise ValueError(f"checkpoint {path}: {problem}")
+    listed = manifest["files"]
     model_sd: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("model*.safetensors")):
-        model_sd.update(load_file(str(f)))
+    for rel in sorted(r for r in listed if "/" not in r and r.startswith("model") and r.endswith(".safetensors")):
+        model_sd.update(load_file(str(path / rel)))
+    for rel in ("optimizer.safetensors", "optimizer.json", "rng.safetensors", "trainer_state.json"):
+        if rel not in listed:
+            raise ValueError(f"checkpoint {path}: its {MANIFEST} does not list {rel}")
     optim_sd = _unflatten_optimizer(load_file(str(path / "optimizer.safetensors")),
                                     json.loads((path / "optimizer.json").read_text()))
     return {"model": model_sd, "optimizer": optim_sd, "rng": load_file(str(path / "rng.safetensors")),

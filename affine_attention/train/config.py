@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -366,9 +367,26 @@ def validate(cfg: RunConfig) -> None:
     for where, value in (("train.steps", t.steps), ("train.global_batch", t.global_batch),
                          ("train.micro_batch", t.micro_batch), ("data.seq_len", d.seq_len),
                          ("data.eval_batch", d.eval_batch), ("model.vocab_size", m.vocab_size),
-                         ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads)):
+                         ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
+                         ("model.num_kv_heads", m.num_kv_heads), ("model.hidden_size", m.hidden_size),
+                         ("model.intermediate_size", m.intermediate_size),
+                         ("model.max_position_embeddings", m.max_position_embeddings)):
         if value <= 0:
             raise ValueError(f"{where} must be positive, got {value}")
+    if m.head_dim < 0:
+        raise ValueError(f"model.head_dim must be positive (or 0: hidden_size // num_heads), got {m.head_dim}")
+    if d.seq_len > m.max_position_embeddings:
+        raise ValueError(f"data.seq_len ({d.seq_len}) exceeds model.max_position_embeddings "
+                         f"({m.max_position_embeddings}); lower data.seq_len or raise model.max_position_embeddings")
+    o = cfg.optim
+    for where, value, strict in (("optim.lr", o.lr, True), ("optim.eps", o.eps, True),
+                                 ("optim.weight_decay", o.weight_decay, False),
+                                 ("optim.clip_grad_norm", o.clip_grad_norm, False)):
+        if not math.isfinite(value) or value < 0 or (strict and value == 0):
+            expected = "> 0" if strict else ">= 0" + (" (0 disables clipping)" if "clip" in where else "")
+            raise ValueError(f"{where} must be finite and {expected}, got {value}")
+    if not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in o.betas):
+        raise ValueError(f"optim.betas must be two numbers in [0, 1), got {o.betas}")
     if t.global_batch % t.micro_batch:
         raise ValueError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch "
                          f"({t.micro_batch}) times the number of ranks")

@@ -30,6 +30,8 @@ from .distributed import DistInfo, accumulation, all_equal, all_reduce_sum, barr
 from .metrics import MetricsLog, Progress, TokenStats, heldout_loss, qk_logit_probe, running_buffers, \
     state_per_head, state_per_layer
 
+# What a run writes into its folder: a new run refuses a folder holding any of them (nothing is replaced silently).
+RUN_FILES = ("metrics.jsonl", "result.json", "final", "checkpoints")
 # Keys that may differ between a run and its resume (they change nothing computed).
 RESUME_FREE_KEYS = {"train.out_dir", "train.log_every", "train.threads"}
 FINAL_LOSS_WINDOW = 0.05  # final train loss = mean over the last 5% of steps (at least 1)
@@ -51,6 +53,13 @@ def _check_resume_config(saved: dict, cfg: RunConfig) -> None:
     if diff:
         detail = "; ".join(f"{k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}" for k in diff[:8])
         raise ValueError(f"--resume with a different config ({detail}); resume with the run's original config")
+
+
+def _check_out_dir(out_dir: Path, resume: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is an existing file, not a run folder; choose another --out")
+    if resume and not out_dir.is_dir():
+        raise ValueError(f"--resume: the run folder {out_dir} does not exist; pass the --out of the run to continue")
 
 
 def autocast_for(device: torch.device, precision: str):
@@ -79,6 +88,7 @@ class Trainer:
         self.options = cfg.variant.options if variant_options is None else variant_options
         self.label = label or self.variant
         self.out_dir, self.resume = Path(out_dir), resume
+        _check_out_dir(self.out_dir, resume)  # before anything is built or written
         self.info: DistInfo = setup(self.tc.device)
         if self.tc.threads:
             torch.set_num_threads(self.tc.threads)
@@ -162,9 +172,10 @@ class Trainer:
     # --- start or resume ------------------------------------------------------------------------------------
     def start(self) -> None:
         """A new run: refuse to overwrite one, then write the config record."""
-        if (self.out_dir / "metrics.jsonl").exists():  # every rank checks, before rank 0 writes (barrier below)
-            raise ValueError(f"{self.out_dir} already holds a run; pass --resume to continue it or choose another "
-                             "--out")
+        held = [n for n in RUN_FILES if (self.out_dir / n).exists()]  # every rank checks, before rank 0 writes
+        if held:
+            raise ValueError(f"{self.out_dir} already holds a run ({', '.join(held)}); pass --resume to continue it "
+                             "or choose another --out")
         barrier(self.info)
         tc, dc = self.tc, self.dc
         self.metrics.write({"kind": "config", "config": self.cfg.to_dict(), "variant": self.variant,
@@ -175,6 +186,9 @@ class Trainer:
 
     def resume_from_checkpoint(self) -> None:
         """Restore weights, optimizer, RNG, data position and counters from the newest intact checkpoint."""
+        if self.info.is_main:
+            ckpt.recover_partial(self.out_dir, log=self.say)
+        barrier(self.info)
         path = ckpt.newest_intact(self.out_dir, log=self.say)
         state = ckpt.load_training_state(path)
         ts = state["trainer_state"]
@@ -338,6 +352,20 @@ class Trainer:
             (self.out_dir / "result.json").write_text(json.dumps(result, indent=2))
         return result
 
+    def _logged_eval(self, step: int) -> dict[str, Any] | None:
+        path = self.out_dir / "metrics.jsonl"
+        if not path.is_file():
+            return None
+        found = None
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by the kill
+            if rec.get("kind") == "eval" and rec.get("step") == step:
+                found = rec
+        return found
+
     def run(self) -> dict[str, Any]:
         tc = self.tc
         if self.resume:
@@ -346,6 +374,12 @@ class Trainer:
                 self.say(f"the run in {self.out_dir} is already complete ({self.start_step} steps)")
                 if (self.out_dir / "result.json").is_file():
                     return json.loads((self.out_dir / "result.json").read_text())
+                # Killed after final/ but before result.json: the held-out numbers of the last step, as logged
+                # (or measured again on the final weights if the log lost them), then the summary.
+                self.begin()
+                self.last_eval = self._logged_eval(self.start_step) or self.evaluate(self.start_step)
+                self.progress.close()
+                return self.finish()
         else:
             self.start()
         self.begin()

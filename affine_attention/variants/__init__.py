@@ -61,6 +61,9 @@ def parse_options(name: str, options: Mapping[str, Any] | None = None):
 
 def build_variant(name: str, shape: AttentionShape, **options) -> AttentionVariant:
     """One attention-variant module for a layer of `shape`."""
+    if not isinstance(shape, AttentionShape):
+        raise ValueError(f"build_variant: shape must be an AttentionShape(hidden_size, num_heads, num_kv_heads, "
+                         f"head_dim), got {type(shape).__name__} {shape!r}")
     return get_variant(name)(shape, parse_options(name, options))
 
 

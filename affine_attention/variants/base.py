@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Union
 
+import torch
 from torch import Tensor, nn
 
 from ..ops import softmax_attention_reference
@@ -21,7 +22,8 @@ class AttentionShape:
 
     def __post_init__(self):
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"AttentionShape.{name} must be a positive int, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
@@ -108,6 +110,12 @@ class AttentionVariant(nn.Module):
 
     def __init__(self, shape: AttentionShape, options=None):
         super().__init__()
+        if not isinstance(shape, AttentionShape):
+            raise ValueError(f"{type(self).__name__}: shape must be an AttentionShape(hidden_size, num_heads, "
+                             f"num_kv_heads, head_dim), got {type(shape).__name__} {shape!r}")
+        if options is not None and not isinstance(options, self.Options):
+            raise ValueError(f"{type(self).__name__}: options must be {self.Options.__name__} (build it with "
+                             f"variants.parse_options), got {type(options).__name__}")
         self.shape = shape
         self.options = options if options is not None else self.Options()
 
@@ -185,6 +193,13 @@ class AttentionVariant(nn.Module):
                              f"{(B, T, self.shape.hidden_size)}, got {tuple(x.shape)}")
         if Hq != self.shape.num_heads:
             raise ValueError(f"q has {Hq} heads, this {self.name} layer was built for {self.shape.num_heads}")
+        if not x.is_floating_point() or x.device != q.device:
+            raise ValueError(f"x must be a floating-point tensor on q's device ({q.device}), got {x.dtype} on "
+                             f"{x.device}")
+        if (x.dtype == torch.float64) != (q.dtype == torch.float64):
+            # Lower precisions may mix under autocast; float64 is all or nothing (the reference checks run in it).
+            raise ValueError(f"x is {x.dtype} but q is {q.dtype}: float64 must be used for both (and for the "
+                             "module: `.double()`) or for neither")
 
     def extra_repr(self) -> str:
         return f"variant={self.name!r}, options={self.options}"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -22,6 +23,8 @@ def _check_type(owner: str, name: str, value: Any, hint: Any) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{owner}: option {name!r} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{owner}: option {name!r} must be a finite number, got {value!r}")
         return float(value)
     if hint is bool:
         if not isinstance(value, bool):

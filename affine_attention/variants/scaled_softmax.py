@@ -1,6 +1,7 @@
 """Control: softmax attention times a per-head output scale (constant or learnable), no input dependence."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,10 @@ from .base import OKABE_ITO, AttentionVariant, Display
 class ScaledSoftmaxOptions:
     scale: float = 0.5  # affine starts at alpha = 0.5 and the gate at sigmoid(0) = 0.5: the same output scale
     learnable: bool = False  # one learnable scalar per head, initialised to `scale`
+
+    def __post_init__(self):
+        if not (math.isfinite(self.scale) and self.scale >= 0):
+            raise ValueError(f"scaled_softmax: option 'scale' must be a finite number >= 0, got {self.scale}")
 
 
 class ScaledSoftmaxAttention(AttentionVariant):

@@ -1,6 +1,7 @@
 """Attention sink (GPT-OSS): one learnable logit per query head in the softmax denominator; off-by-one fixes it at 0."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,10 @@ from .base import OKABE_ITO, AttentionVariant, Display, Prologue
 @dataclass(frozen=True)
 class SinkOptions:
     init: float = 0.0  # initial sink logit; 0 makes the untrained sink exactly off-by-one
+
+    def __post_init__(self):
+        if not math.isfinite(self.init):  # also when built directly, not through the registry
+            raise ValueError(f"sink: option 'init' must be a finite logit, got {self.init}")
 
 
 # Sink logit of a function-preserving conversion. The sink takes sigmoid(s - lse) of each row's mass: 2e-9 at lse = 0,
