@@ -74,7 +74,7 @@ def test_ops_refuse_bad_input(case, match):
     (lambda: build_variant("scaled_softmax", SHAPE, scale=-0.5), r"'scale' must be a finite number >= 0"),
     (lambda: build_variant("scaled_softmax", SHAPE, scale=-1e-30), r"'scale' must be a finite number >= 0"),
     (lambda: build_variant("affine", SHAPE, momentum=float("nan")), r"'momentum' must be a finite"),
-    (lambda: build_variant("affine", SHAPE, frozen_alpha=float("-inf")), r"'frozen_alpha' must be a finite"),
+    (lambda: build_variant("affine_frozen", SHAPE, frozen_alpha=float("-inf")), r"'frozen_alpha' must be a finite"),
     (lambda: build_variant("gated", SHAPE, nonsense=1), r"unknown option"),
     (lambda: __import__("affine_attention.variants", fromlist=["x"]).SinkAttention(SHAPE, {"init": 0.0}),
      r"options must be SinkOptions"),
@@ -380,10 +380,11 @@ def _edit_config(path, edit):
 
 @pytest.mark.parametrize("variant, edit, match", [
     ("affine", lambda s: s.update(variant="softmax", options={}), r"attention-variant weight\(s\) that its config"),
-    ("affine", lambda s: s["options"].update(frozen_alpha=0.5), r"does not use"),
+    ("affine", lambda s: s.update(variant="affine_frozen", options={**s["options"], "frozen_alpha": 0.5}),
+     r"does not use"),
     ("gated", lambda s: s.update(variant="scaled_softmax", options={"scale": 0.5, "learnable": False}),
      r"does not use"),
-    ("affine", lambda s: s.update(options={}), r"lacks \['activation', 'bias_norm', 'frozen_alpha', 'momentum'\]"),
+    ("affine", lambda s: s.update(options={}), r"lacks \['activation', 'bias_norm', 'momentum'\]"),
     ("affine", lambda s: s.pop("options"), r"lacks"),
     ("affine", lambda s: s["options"].pop("bias_norm"), r"lacks \['bias_norm'\]"),
     ("sink", lambda s: s.update(options={}), r"lacks \['init'\]"),

@@ -13,7 +13,7 @@ SHAPE = AttentionShape(hidden_size=24, num_heads=4, num_kv_heads=2, head_dim=8)
 ALL = variant_names()
 CONFIGS = [(n, {}) for n in ALL] + [
     ("gated", {"gate": "headwise"}), ("affine", {"activation": "sigmoid"}), ("affine", {"bias_norm": "full"}),
-    ("affine", {"frozen_alpha": 0.5}), ("scaled_softmax", {"learnable": True}),
+    ("affine_frozen", {"frozen_alpha": 0.5}), ("scaled_softmax", {"learnable": True}),
 ]
 
 
@@ -63,7 +63,7 @@ def test_new_parameters_and_their_init():
     assert build_variant("gated", SHAPE, gate="headwise").gate_proj.weight.shape == (4, 24)
     assert build_variant("sink", SHAPE).sinks.shape == (4,)
     assert len(list(build_variant("off_by_one", SHAPE).parameters())) == 0
-    assert not hasattr(build_variant("affine", SHAPE, frozen_alpha=0.5), "alpha_proj")
+    assert not hasattr(build_variant("affine_frozen", SHAPE, frozen_alpha=0.5), "alpha_proj")
     assert sum(p.numel() for p in build_variant("affine_gated", SHAPE).parameters()) == 4 * 24 + 32 * 24
 
 
@@ -102,7 +102,7 @@ def test_affine_frozen_has_no_alpha_projection_and_alpha_ma_converges_to_the_con
     ("sink", {"init": "zero"}, r"init' must be a number"),
     ("softmax", {"anything": 1}, r"valid options: none"),
     ("affine_frozen", {"frozen_alpha": None}, r"must be a number in \[0, 1\]"),
-    ("affine", {"frozen_alpha": 1.5}, r"frozen_alpha' must lie in \[0, 1\]"),
+    ("affine_frozen", {"frozen_alpha": 1.5}, r"frozen_alpha' must lie in \[0, 1\]"),
 ])
 def test_bad_variant_or_options_raise(name, options, match):
     with pytest.raises(ValueError, match=match):
@@ -167,3 +167,13 @@ def test_every_registered_variant_is_constructible_and_named():
     for name in ALL:
         assert get_variant(name).name == name
         build_variant(name, SHAPE)
+
+
+def test_affine_checkpoint_options_of_older_versions_still_parse():
+    """frozen_alpha moved to the affine_frozen control; configs saved with affine's old neutral None still load,
+    any other value is refused."""
+    from affine_attention.variants import parse_options
+
+    assert parse_options("affine", {"frozen_alpha": None, "momentum": 0.8}).momentum == 0.8
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['frozen_alpha'\]"):
+        parse_options("affine", {"frozen_alpha": 0.5})

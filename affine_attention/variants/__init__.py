@@ -55,8 +55,16 @@ def get_variant(name: str) -> type[AttentionVariant]:
 
 
 def parse_options(name: str, options: Mapping[str, Any] | None = None):
-    """The variant's typed options dataclass from a plain dict (unknown keys or bad values raise ValueError)."""
-    return options_from_dict(get_variant(name).Options, options, owner=name)
+    """The variant's typed options dataclass from a plain dict (unknown keys or bad values raise ValueError).
+
+    A retired option (`retired_options`, what older versions recorded) is dropped when it holds its old neutral
+    value, so their checkpoints still load; any other value of it is an unknown option."""
+    cls = get_variant(name)
+    options = dict(options or {})
+    for key, neutral in cls.retired_options.items():
+        if key in options and options[key] == neutral:
+            del options[key]
+    return options_from_dict(cls.Options, options, owner=name)
 
 
 def build_variant(name: str, shape: AttentionShape, **options) -> AttentionVariant:

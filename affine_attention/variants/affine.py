@@ -28,15 +28,10 @@ class AffineOptions:
     activation: Literal["linear_clip", "sigmoid"] = "linear_clip"
     momentum: float = 0.9  # rho in alpha_ma <- rho * alpha_ma + (1 - rho) * mean(alpha)
     bias_norm: Literal["visible", "full"] = "visible"  # "full" (N = key length) is an ablation only
-    # A constant alpha instead of phi(W_alpha x): the control that removes the input dependence.
-    frozen_alpha: float | None = None
 
     def __post_init__(self):
         if not 0.0 <= self.momentum <= 1.0:
             raise ValueError(f"affine: option 'momentum' must lie in [0, 1], got {self.momentum}")
-        if self.frozen_alpha is not None and not 0.0 <= self.frozen_alpha <= 1.0:
-            raise ValueError(f"affine: option 'frozen_alpha' must lie in [0, 1] (the range of phi), "
-                             f"got {self.frozen_alpha}")
 
 
 class AffineAttention(AttentionVariant):
@@ -55,12 +50,12 @@ class AffineAttention(AttentionVariant):
     display = Display("Affine-scaled", OKABE_ITO["vermillion"], "^", "-")
     token_stats = {"alpha": "α"}
     state_stats = {"alpha_ma": "α moving average"}
+    # Saved before the frozen-alpha control became its own variant (affine_frozen): dropped when the value is this.
+    retired_options = {"frozen_alpha": None}
 
     def __init__(self, shape, options=None):
         super().__init__(shape, options)
-        if self.options.frozen_alpha is None:
-            self.alpha_proj = nn.Linear(shape.hidden_size, shape.num_heads, bias=False)
-            nn.init.zeros_(self.alpha_proj.weight)  # alpha starts at phi(0) = 0.5
+        self._init_alpha()
         self.register_buffer("alpha_ma", torch.zeros(shape.num_heads))
         # (Hq + 1,) int64: per head the sum of round(alpha * 2**32) over the real tokens seen since the last step,
         # then their count. Integers: exact and order-independent (any layout sums to the same bits), untouched by
@@ -68,12 +63,17 @@ class AffineAttention(AttentionVariant):
         self.register_buffer("alpha_acc", torch.zeros(shape.num_heads + 1, dtype=torch.int64))
         running_stats.watch(self)
 
+    def _init_alpha(self) -> None:
+        """W_alpha: hidden -> Hq, no bias, zero init, so alpha starts at phi(0) = 0.5."""
+        self.alpha_proj = nn.Linear(self.shape.hidden_size, self.shape.num_heads, bias=False)
+        nn.init.zeros_(self.alpha_proj.weight)
+
+    def initial_alpha(self) -> float:
+        """alpha at initialisation, for every token: phi(0) (linear_clip(0) = sigmoid(0) = 0.5)."""
+        return 0.5
+
     def compute_alpha(self, x: Tensor) -> Tensor:
         """x: (B, T, hidden) -> alpha: (B, Hq, T) in float32 (float64 for float64 input)."""
-        B, T, _ = x.shape
-        if self.options.frozen_alpha is not None:
-            dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-            return torch.full((B, self.shape.num_heads, T), self.options.frozen_alpha, dtype=dt, device=x.device)
         pre = self.alpha_proj(x)  # (B, T, Hq)
         pre = pre.double() if x.dtype == torch.float64 else pre.float()
         return ACTIVATIONS[self.options.activation](pre).transpose(1, 2)
@@ -119,9 +119,9 @@ class AffineAttention(AttentionVariant):
         return {"alpha_ma": self.alpha_ma}
 
     def retrofit(self) -> float:
-        """alpha starts at a constant a = phi(0) (or frozen_alpha); with alpha_ma = a the bias term vanishes, so the
-        output is a * softmax attention. alpha_proj (zero) still gets gradient through alpha * (Attn - mean V)."""
-        a = 0.5 if self.options.frozen_alpha is None else self.options.frozen_alpha  # linear_clip(0) = sigmoid(0)
+        """alpha starts at a constant a (initial_alpha); with alpha_ma = a the bias term vanishes, so the output is
+        a * softmax attention. alpha_proj (zero) still gets gradient through alpha * (Attn - mean V)."""
+        a = self.initial_alpha()
         if a <= 0:
             raise ValueError(f"{self.name}: frozen_alpha = {a} scales attention to zero, so no conversion can "
                              "preserve the model's function; use frozen_alpha > 0 or function_preserving=False")

@@ -107,6 +107,9 @@ class AttentionVariant(nn.Module):
     #: Per-head state logged every step (mean over heads) and at every evaluation (per head) (see
     #: `state_statistics`), key -> display label.
     state_stats: ClassVar[dict[str, str]] = {}
+    #: Options that older versions recorded in saved configs, with the neutral value they held then: dropped on
+    #: load when they hold it (see `variants.parse_options`).
+    retired_options: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, shape: AttentionShape, options=None):
         super().__init__()
