@@ -9,31 +9,16 @@ is explicit: `impl=` or `use_epilogue(...)` forces one, and a forced implementat
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 
 import torch
 from torch import Tensor
 
 from .._compat import float_acc
+from ._forcing import ForcedChoice
 from .value_mean import ValueMean
 
 IMPLS = ("eager", "triton")
-_forced = threading.local()
-
-
-@contextlib.contextmanager
-def use_epilogue(impl: str | None):
-    """Force every epilogue in this block (this thread) onto `impl` ("eager" or "triton"; None: by device)."""
-    if impl is not None:
-        _check_impl_name(impl)
-    previous = getattr(_forced, "impl", None)
-    _forced.impl = impl
-    try:
-        yield
-    finally:
-        _forced.impl = previous
 
 
 def _check_impl_name(impl: str) -> None:
@@ -42,12 +27,20 @@ def _check_impl_name(impl: str) -> None:
                          f"got {impl!r}")
 
 
+_forced = ForcedChoice(_check_impl_name)
+
+
+def use_epilogue(impl: str | None):
+    """Force every epilogue in this block (this thread) onto `impl` ("eager" or "triton"; None: by device)."""
+    return _forced.use(impl)
+
+
 def select_impl(device: torch.device, impl: str | None = None) -> str:
     """The implementation that runs on `device`: the forced one, else triton on CUDA and eager elsewhere.
 
     A forced "triton" off CUDA needs the interpreter (TRITON_INTERPRET=1); a missing triton package raises.
     """
-    name = impl if impl is not None else getattr(_forced, "impl", None)
+    name = impl if impl is not None else _forced.current
     if name is None:
         name = "triton" if device.type == "cuda" else "eager"
     _check_impl_name(name)

@@ -6,12 +6,11 @@ ValueError naming what it lacks, never falling back.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 
 import torch
 from torch import Tensor
 
+from .._forcing import ForcedChoice
 from ..masks import MaskSpec
 from .base import Backend, Call, KernelAttention
 from .cpu_flash import CpuFlashBackend
@@ -22,7 +21,6 @@ from .sdpa import SdpaBackend
 # Preference order: fastest first, the exact fallback (any mask, device and dtype) last.
 BACKENDS: list[Backend] = [SdpaBackend(), CudaFlashBackend(), CpuFlashBackend(), ExactBackend()]
 
-_forced = threading.local()
 
 
 def backend_names() -> list[str]:
@@ -36,22 +34,17 @@ def get_backend(name: str) -> Backend:
     raise ValueError(f"unknown attention backend {name!r}; choose one of {backend_names()}")
 
 
-@contextlib.contextmanager
+_forced = ForcedChoice(get_backend)
+
+
 def use_backend(name: str | None):
     """Force every attention op in this block (this thread) onto backend `name` (None: automatic choice)."""
-    if name is not None:
-        get_backend(name)
-    previous = getattr(_forced, "name", None)
-    _forced.name = name
-    try:
-        yield
-    finally:
-        _forced.name = previous
+    return _forced.use(name)
 
 
 def select(call: Call, backend: str | None = None) -> Backend:
     """The backend that serves `call`: the forced one (ValueError if it cannot), else the first that accepts."""
-    name = backend if backend is not None else getattr(_forced, "name", None)
+    name = backend if backend is not None else _forced.current
     if name is not None:
         chosen = get_backend(name)
         reason = chosen.supports(call)
