@@ -140,15 +140,19 @@ def uniform_first_token_share(length: int) -> float:
     return sum(1.0 / (i + 1) for i in range(length)) / length
 
 
-def attention_scalars(records) -> dict:
+def attention_scalars(records, output_scale: float = 1.0) -> dict:
     """LayerRecords of one model -> first_token_mass (mean over layers), entropy (mean over layers), head_mass_cv
     (coefficient of variation of the per-head mean non-first-token mass over every layer's heads) and the per-layer
-    first-token masses (for the sink test)."""
+    first-token masses (for the sink test).
+
+    output_scale: the factor a function-preserving conversion folded into o_proj (1 / c). Such a model's attention
+    weights start at c times the original softmax weights, so its first-token mass is multiplied back by it: the
+    comparison then measures what training changed, not the conversion. Entropy and the CV do not depend on it."""
     import torch
 
     if not records:
         return {}
-    first = [r.layer_mean("first_token_mass") for r in records]
+    first = [output_scale * r.layer_mean("first_token_mass") for r in records]
     heads = torch.cat([r.stats["mean_total_mass"].to(torch.float64).flatten() for r in records])
     heads = heads[torch.isfinite(heads)]
     cv = float(heads.std(unbiased=False) / heads.mean()) if heads.numel() > 1 and float(heads.mean()) > 0 else None

@@ -370,8 +370,8 @@ def _claims(summary: dict, runs: dict[str, list[SeedRun]], numbers: dict, gwin: 
 
     grad = {v: {r.seed: gradstats.stats_from_file(r.path / "metrics.jsonl", window=gwin) for r in rs
                 if any("grad_norm" in t for t in r.train)} for v, rs in runs.items()}
-    att = {v: {s: claims.attention_scalars(recs) for s, recs in per.items()} for v, per in by_seed.items()
-           if v != BEFORE}
+    att = {v: {s: claims.attention_scalars(recs, _output_scale(runs, v, s)) for s, recs in per.items()}
+           for v, per in by_seed.items() if v != BEFORE}
     zs = {v: {r.seed: {t: _scalar(a) for t, a in (r.result.get("zero_shot") or {}).items() if _scalar(a) is not None}
               for r in rs} for v, rs in runs.items()}
     per_seed = claims.run_per_seed(numbers, grad, att, zs)
@@ -384,6 +384,15 @@ def _claims(summary: dict, runs: dict[str, list[SeedRun]], numbers: dict, gwin: 
         out["methods"][v] = {"control": ctrl, "rows": claims.claim_rows(per_seed, method=v, baseline=BASELINE,
                                                                         control=ctrl, baseline_sink=sink)}
     return out
+
+
+def _output_scale(runs: dict[str, list[SeedRun]], variant: str, seed: int) -> float:
+    """The o_proj factor a function-preserving conversion folded in (1 when the run was not a retrofit)."""
+    for r in runs.get(variant, []):
+        if r.seed == seed and (r.final / "config.json").is_file():
+            spec = json.loads((r.final / "config.json").read_text()).get("affine_attention") or {}
+            return float((spec.get("retrofit") or {}).get("o_proj_scale", 1.0))
+    return 1.0
 
 
 def claims_blocks(claims: dict) -> list:
