@@ -44,10 +44,11 @@ def test_logits_kept_and_every_new_parameter_trains(family, variant):
 
 def test_recorded_and_round_trips(tmp_path):
     model = affine_attention.convert(tiny("llama"), "affine_gated", function_preserving=True)
-    assert model.config.affine_attention["retrofit"] == {"function_preserving": True, "o_proj_scale": 4.0}
+    want = {"function_preserving": True, "weight_scale": 0.5, "o_proj_scale": 4.0}
+    assert model.config.affine_attention["retrofit"] == want
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert loaded.config.affine_attention["retrofit"] == {"function_preserving": True, "o_proj_scale": 4.0}
+    assert loaded.config.affine_attention["retrofit"] == want
     ids = _ids(1, (1, 7))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)

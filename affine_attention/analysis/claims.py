@@ -145,9 +145,9 @@ def attention_scalars(records, output_scale: float = 1.0) -> dict:
     (coefficient of variation of the per-head mean non-first-token mass over every layer's heads) and the per-layer
     first-token masses (for the sink test).
 
-    output_scale: the factor a function-preserving conversion folded into o_proj (1 / c). Such a model's attention
-    weights start at c times the original softmax weights, so its first-token mass is multiplied back by it: the
-    comparison then measures what training changed, not the conversion. Entropy and the CV do not depend on it."""
+    output_scale: 1 / the factor a function-preserving conversion started the attention weights at (affine: alpha
+    = 0.5 times softmax's, o_proj compensating), so the comparison measures what training changed, not the
+    conversion. Entropy and the CV do not depend on it."""
     import torch
 
     if not records:

@@ -387,11 +387,12 @@ def _claims(summary: dict, runs: dict[str, list[SeedRun]], numbers: dict, gwin: 
 
 
 def _output_scale(runs: dict[str, list[SeedRun]], variant: str, seed: int) -> float:
-    """The o_proj factor a function-preserving conversion folded in (1 when the run was not a retrofit)."""
+    """1 / the factor a function-preserving conversion started this run's attention weights at (1 when the run
+    was not a retrofit, or its variant does not scale its weights)."""
     for r in runs.get(variant, []):
         if r.seed == seed and (r.final / "config.json").is_file():
             spec = json.loads((r.final / "config.json").read_text()).get("affine_attention") or {}
-            return float((spec.get("retrofit") or {}).get("o_proj_scale", 1.0))
+            return 1.0 / float((spec.get("retrofit") or {}).get("weight_scale", 1.0))
     return 1.0
 
 

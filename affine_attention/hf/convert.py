@@ -40,8 +40,9 @@ def convert(model: nn.Module, variant: str, *, function_preserving: bool = False
     config_cls, model_cls = models.affine_classes(family, type(model))
     if function_preserving:
         # A variant that cannot preserve the function says so before anything is attached.
-        build_variant(variant, layer_shape(model.config, attention_layers(model)[0]), **spec["options"]).retrofit()
-        spec["retrofit"] = {"function_preserving": True}
+        probe = build_variant(variant, layer_shape(model.config, attention_layers(model)[0]), **spec["options"])
+        probe.retrofit()
+        spec["retrofit"] = {"function_preserving": True, "weight_scale": probe.retrofit_weight_scale()}
     with torch.no_grad():
         attach_variants(model, spec)
         if function_preserving:

@@ -129,6 +129,9 @@ class AffineAttention(AttentionVariant):
             self.alpha_ma.fill_(a)
         return a * super().retrofit()
 
+    def retrofit_weight_scale(self) -> float:
+        return self.initial_alpha()  # a_ij = alpha p_ij + beta with beta = 0 at the start
+
     def prologue(self, x, token_mask):
         alpha = self.compute_alpha(x)
         return Prologue(alpha=alpha, alpha_ma=self._alpha_ma_for_forward(alpha, token_mask),

@@ -184,6 +184,12 @@ class AttentionVariant(nn.Module):
         receive gradient in that state. Variants that cannot preserve the function raise ValueError."""
         return 1.0
 
+    def retrofit_weight_scale(self) -> float:
+        """In the function-preserving state, this variant's attention weights (what `reference` returns) are this
+        factor times softmax's; the diagnostics divide it out to compare what training changed. 1 unless the
+        variant scales the weights themselves (not only its output)."""
+        return 1.0
+
     # --- helpers ------------------------------------------------------------------------------
     @property
     def _gqa(self) -> bool:
