@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import median_ratio, paired_ratios, paired_times, peak_memory_bytes, time_once  # noqa: E402
+from common import emit, median_ratio, paired_ratios, paired_times, peak_memory_bytes, time_once  # noqa: E402
 
 from affine_attention.ops import (  # noqa: E402
     affine_scaled_attention, affine_scaled_attention_reference, sink_attention, sink_attention_reference,
@@ -289,11 +289,7 @@ def main(argv=None):
     decode_rows = bench_decode(args, device) if "decode" in args.only else []
     mask_rows = bench_masks(args, device) if "masks" in args.only else []
     error_rows = bench_prefix_error(args) if "prefix_error" in args.only else []
-    table = markdown(rows, decode_rows, device, mask_rows, error_rows)
-    print("\n" + table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    emit(markdown(rows, decode_rows, device, mask_rows, error_rows), args.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import paired_ratios, peak_memory_bytes  # noqa: E402
+from common import emit, paired_ratios, peak_memory_bytes  # noqa: E402
 
 from affine_attention._compat import float_acc  # noqa: E402
 from affine_attention.ops import affine_scaled_attention  # noqa: E402
@@ -167,11 +167,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.lengths, args.dtypes, args.kv_heads, args.repeats = [512], ["float32"], [2], 3
-    table = markdown(bench(args), args.memory)
-    print("\n" + table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    emit(markdown(bench(args), args.memory), args.out)
 
 
 if __name__ == "__main__":

@@ -74,3 +74,11 @@ def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
         current += e.cpu_memory_usage
         peak = max(peak, current)
     return peak
+
+
+def emit(table: str, out: str | None) -> None:
+    """Print a benchmark's markdown table, and write it to `out` too when given."""
+    print("\n" + table)
+    if out:
+        with open(out, "w") as f:
+            f.write(table + "\n")
