@@ -113,3 +113,28 @@ def test_hidden_nan_changes_nothing_and_a_seen_one_is_never_hidden(backend, op):
         ref[:, :, clean].sum().backward()
         assert torch.isfinite(q.grad).all()
         torch.testing.assert_close(q.grad, q2.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_finite_keys_whose_sum_overflows_are_kept(op):
+    """The fast check sums K and V; finite entries whose sum overflows must take the exact test, not be cleaned."""
+    fn = OPS[op]
+    q, k, v = _poisoned(S, where=0, value=0.0, in_value=True)
+    v[:, :, :] = 1e37  # finite, and so is every mean of them; the sum of all (2.9e39) is inf in float32
+    v[:, :, 3] = float("nan")  # and a nan that queries 0..2 cannot see
+    torch.manual_seed(0)
+    out = fn(q, k, v, is_causal=True)
+    assert torch.isfinite(out[:, :, :3]).all() and torch.isnan(out[:, :, 3:]).all()
+    v[:, :, 3] = 1e37
+    torch.manual_seed(0)
+    out = fn(q, k, v, is_causal=True)
+    assert torch.isfinite(out).all(), "finite values whose sum overflows were treated as non-finite"
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_a_key_every_query_sees_poisons_every_row(op):
+    """Without hidden keys (one decoding step, no padding) nothing is cleaned: the nan reaches every output."""
+    fn = OPS[op]
+    q, k, v = _poisoned(1, where=4, value=float("nan"), in_value=False)
+    assert torch.isnan(fn(q, k, v, is_causal=True)).all()
+    assert torch.isnan(fn(q, k, v)).all()

@@ -14,7 +14,7 @@ import os
 import torch
 from torch import Tensor
 
-from .._compat import float_acc
+from .._compat import as_dtype, float_acc
 from ._forcing import ForcedChoice
 from .value_mean import ValueMean
 
@@ -123,6 +123,10 @@ def epilogue(out: Tensor, *, alpha: Tensor | None = None, alpha_ma: Tensor | Non
         if v_mean is not None:
             _check_affine(out, alpha, alpha_ma, tuple(v_mean.shape))
     name = select_impl(out.device, impl)
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad
+                                              for t in (out, alpha, alpha_ma, g, v_mean, v)):
+        # Nothing to differentiate (decoding): the forward alone, without an autograd node (a few µs per layer).
+        return _forward(name, out, alpha, alpha_ma, g, v_mean, v, mean)
     return _Epilogue.apply(name, out, alpha, alpha_ma, g, v_mean, v, mean)
 
 
@@ -133,16 +137,23 @@ def _kernels(name: str):
     return _eager
 
 
+def _forward(name, out, alpha, alpha_ma, gate, v_mean, v, mean) -> Tensor:
+    """The combine through implementation `name`, the mean of V summed from v when it is not given."""
+    if v is None:
+        return _kernels(name).forward(out, alpha, alpha_ma, v_mean, gate)
+    total, inv = mean.sum(v)
+    if alpha is not None:
+        _check_affine(out, alpha, alpha_ma, tuple(total.shape))
+    return _kernels(name).forward(out, alpha, alpha_ma, total, gate, inv=inv, m_owned=True)
+
+
 class _Epilogue(torch.autograd.Function):
-    """Forward through one implementation; backward recomputes m from v (when given so), calls the same one, and
-    maps d m to d v through the mean's hand-written transpose."""
+    """Forward through one implementation; backward recomputes the sums of V from v (when given so), calls the same
+    one, and maps their gradient to d v through the mean's hand-written transpose."""
 
     @staticmethod
     def forward(ctx, name, out, alpha, alpha_ma, gate, v_mean, v, mean):
-        m = v_mean if v is None else mean.value(v)[0]
-        if alpha is not None and v is not None:
-            _check_affine(out, alpha, alpha_ma, tuple(m.shape))
-        res = _kernels(name).forward(out, alpha, alpha_ma, m, gate)
+        res = _forward(name, out, alpha, alpha_ma, gate, v_mean, v, mean)
         # Every saved tensor is an input other nodes keep alive already (kernel output, V, alpha, the gate).
         ctx.save_for_backward(out, alpha, alpha_ma, gate, v_mean, v)
         ctx.name, ctx.mean = name, mean
@@ -153,72 +164,73 @@ class _Epilogue(torch.autograd.Function):
         out, alpha, alpha_ma, gate, v_mean, v = ctx.saved_tensors
         need = ctx.needs_input_grad
         need_dv = v is not None and need[6]
-        mean = ctx.mean
-        m, denom = v_mean, None
+        m, inv = v_mean, None
         if v is not None:
-            m, denom = mean.value(v)  # a fresh buffer the backward may overwrite once done reading it
+            m, inv = ctx.mean.sum(v)  # a fresh buffer the backward may overwrite once done reading it
         d_out, d_alpha, d_alpha_ma, d_gate, d_m = _kernels(ctx.name).backward(
             grad, out, alpha, alpha_ma, m, gate, need_alpha=need[2], need_alpha_ma=need[3], need_gate=need[4],
-            need_m=need[5] or need_dv, m_scratch=denom is not None)
-        d_v = mean.transpose(d_m, denom, v) if need_dv else None
+            need_m=need[5] or need_dv, m_scratch=v is not None, inv=inv)
+        d_v = ctx.mean.transpose(d_m, v) if need_dv else None
         return (None, d_out if need[1] else None, d_alpha, d_alpha_ma, d_gate, d_m if need[5] else None, d_v,
                 None)
-
-
-def _into(op, x: Tensor, y: Tensor, buf: Tensor | None) -> Tensor:
-    """op(x, y) written into buf when given (a buffer the caller owns), else into a fresh tensor."""
-    return op(x, y) if buf is None else op(x, y, out=buf)
 
 
 class _eager:
     """The combine as a few eager passes. On CPU a mixed-dtype op (bfloat16 with float32) first materialises a
     float32 copy of its low-precision operand, and a fresh buffer costs more than the pass that fills it, so every
-    operand is converted once and the passes run in place on buffers this function owns. Layouts as `epilogue`."""
+    operand is converted at most once and the passes run in place on buffers this function owns. m is either the
+    mean of V or, with inv (the mean's 1 / N, (B|1, 1, T|1, 1)), the undivided sums: inv goes into the per-row
+    weight of m, so the mean is never formed. Layouts as `epilogue`."""
 
     @staticmethod
-    def _affine_views(out: Tensor, alpha: Tensor, alpha_ma: Tensor, m: Tensor, acc: torch.dtype):
-        """a, b = alpha_ma - a as (B, Hm, G, T, 1) and m as (B, Hm, 1, T|1, D): the group broadcast of GQA."""
+    def _coefficients(out: Tensor, alpha: Tensor, alpha_ma: Tensor, m: Tensor, inv: Tensor | None, acc):
+        """a: (B, Hm, G, T, 1); b = (alpha_ma - a) * inv, the weight of m; m as (B, Hm, 1, T|1, D) in acc: the
+        group broadcast of GQA, without copies."""
         B, Hq, T, _ = out.shape
         Hm = m.shape[1]
-        a = alpha.to(acc).reshape(B, Hm, Hq // Hm, T, 1)
-        b = alpha_ma.to(acc).reshape(1, Hm, Hq // Hm, 1, 1) - a
-        return a, b, m.to(acc)[:, :, None]
+        a = alpha.reshape(B, Hm, Hq // Hm, T, 1)
+        a = as_dtype(a, acc)
+        b = as_dtype(alpha_ma, acc).reshape(1, Hm, Hq // Hm, 1, 1) - a  # a fresh buffer: scaled in place
+        if inv is not None:
+            b.mul_(inv.unsqueeze(2))
+        return a, b, as_dtype(m, acc).unsqueeze(2)
 
     @staticmethod
-    def _owned(x: Tensor, acc: torch.dtype) -> Tensor:
-        """x in acc as a buffer the caller may overwrite (a copy even when x already is in acc)."""
-        return x.to(acc, copy=True)
-
-    @staticmethod
-    def _combine(out, alpha, alpha_ma, m, acc):
-        """y = a * out + b * m in acc, (B, Hq, T, D), a fresh buffer."""
-        a, b, m5 = _eager._affine_views(out, alpha, alpha_ma, m, acc)
-        B, Hq, T, D = out.shape
-        out5 = out.reshape(a.shape[:3] + (T, D))
+    def _combine(out: Tensor, a: Tensor, b: Tensor, m5: Tensor, acc, m_owned: bool = False) -> Tensor:
+        """y = a * out + b * m in acc as (B, Hm, G, T, D); in m's own buffer when it is owned and has y's shape."""
+        B, Hm, G, T, _ = a.shape
+        out5 = out.reshape(B, Hm, G, T, out.shape[-1])
+        if m_owned and m5.shape == out5.shape and m5.is_contiguous() and not torch.compiler.is_compiling():
+            return m5.mul_(b).addcmul_(out5, a)
         y = torch.mul(out5, a) if out.dtype == acc else out5.to(acc).mul_(a)
-        return y.addcmul_(b, m5).view(B, Hq, T, D)
+        return y.addcmul_(b, m5)
 
     @staticmethod
-    def forward(out, alpha, alpha_ma, m, gate):
-        acc = float_acc(out.dtype)
+    def forward(out, alpha, alpha_ma, m, gate, inv=None, m_owned=False):
+        """m_owned: m is this call's own buffer (recomputed sums), which the combine may overwrite."""
         if alpha is None:
-            return torch.mul(out, gate).to(out.dtype)
-        y = _eager._combine(out, alpha, alpha_ma, m, acc)
+            return as_dtype(torch.mul(out, gate), out.dtype)
+        acc = float_acc(out.dtype)
+        a, b, m5 = _eager._coefficients(out, alpha, alpha_ma, m, inv, acc)
+        y = _eager._combine(out, a, b, m5, acc, m_owned).view(out.shape)
         if gate is not None:
             y.mul_(gate)
-        return y.to(out.dtype)
+        return as_dtype(y, out.dtype)
 
     @staticmethod
     def backward(grad, out, alpha, alpha_ma, m, gate, *, need_alpha, need_alpha_ma, need_gate, need_m,
-                 m_scratch=False):
-        """m_scratch: m is a recomputed buffer this function may overwrite once it no longer reads it."""
+                 m_scratch=False, inv=None):
+        """d m is the gradient of m as given (with inv: of the undivided sums). m_scratch: m is a recomputed
+        buffer this function may overwrite once it no longer reads it."""
         acc = float_acc(out.dtype)
         B, Hq, T, D = out.shape
         d_gate = d_alpha = d_alpha_ma = d_m = None
+        if alpha is not None:
+            a, b, m5 = _eager._coefficients(out, alpha, alpha_ma, m, inv, acc)
         # dy = grad * gate in acc. Read-only below: without a gate it may be grad itself.
         gf = grad.to(acc)
         if gate is not None and need_gate:
-            y = _eager._combine(out, alpha, alpha_ma, m, acc) if alpha is not None else _eager._owned(out, acc)
+            y = _eager._combine(out, a, b, m5, acc).view(B, Hq, T, D) if alpha is not None else out.to(acc, copy=True)
             y.mul_(gf)
             d_gate = y.sum_to_size(gate.shape)
             # Elementwise: written in the gate's own layout (a transposed projection), so its producer's backward
@@ -229,38 +241,35 @@ class _eager:
         dy = gf if gate is None else (gf.mul_(gate) if gf is not grad else torch.mul(grad, gate))
         if alpha is None:
             return dy.to(out.dtype), None, None, d_gate, None
-        a, b, m5 = _eager._affine_views(out, alpha, alpha_ma, m, acc)
         Hm, G = a.shape[1], a.shape[2]
         dy5, out5 = dy.reshape(B, Hm, G, T, D), out.reshape(B, Hm, G, T, D)
-        d_out_acc = torch.mul(dy5, a)
-        d_out = d_out_acc.to(out.dtype).view(B, Hq, T, D)
-        # Fresh (B, Hm, T, D) acc buffers this function may overwrite: the float32 d out (a copy was made), m.
         # Buffer reuse only in eager mode: a compiled graph plans its own memory (and refuses most `out=`).
         eager = not torch.compiler.is_compiling()
-        free = [d_out_acc.view(B, Hq, T, D)] if eager and out.dtype != acc and G == 1 else []  # .to copied it
-        m_owned = eager and m_scratch and m.shape[2] == T and m.dtype == acc
+        if eager and out.dtype != acc:
+            d_out = torch.empty((B, Hq, T, D), dtype=out.dtype, device=out.device)
+            torch.mul(dy5, a, out=d_out.view(B, Hm, G, T, D))  # rounded once, no float32 copy
+        else:
+            d_out = torch.mul(dy5, a).to(out.dtype).view(B, Hq, T, D)
+        scale = None if inv is None else inv.unsqueeze(2)[..., 0]  # (B|1, 1, 1, T|1): the weight of m's rows
         if need_alpha_ma:
-            d_alpha_ma = torch.mul(dy5, m5).sum((0, 3, 4)).reshape(Hq).to(alpha_ma.dtype)
+            rows = torch.linalg.vecdot(dy5, m5)  # (B, Hm, G, T)
+            d_alpha_ma = (rows if scale is None else rows * scale).sum((0, 3)).reshape(Hq).to(alpha_ma.dtype)
         if need_alpha:
-            d_alpha = torch.empty((B, Hm, G, T), dtype=acc, device=out.device)
-            scratch = free.pop() if free else None
-            for g in range(G):
-                if g == G - 1 and m_owned:
-                    # d alpha = dy . (out - m) = -(dy . (m - out)), computed in m's own buffer.
-                    d_alpha[:, :, g] = m.sub_(out5[:, :, g]).mul_(dy5[:, :, g]).sum(-1).neg_()
-                    m_owned = False
-                    free.append(m)
-                else:
-                    scratch = _into(torch.sub, out5[:, :, g], m5[:, :, 0], scratch if eager else None).mul_(dy5[:, :, g])
-                    d_alpha[:, :, g] = scratch.sum(-1)
-            if eager and scratch is not None:
-                free.append(scratch)
-            d_alpha = d_alpha.view(B, Hq, T).to(alpha.dtype)
+            # d alpha = dy . (out - m)
+            if eager and m_scratch and G == 1 and m5.shape == out5.shape and m5.is_contiguous():
+                # out - m formed in m's own buffer in one pass, then the product: no temporary (B, Hq, T, D).
+                diff = torch.addcmul(out5, m5, -scale[..., None], out=m5) if scale is not None else \
+                    m5.neg_().add_(out5)
+                da = diff.mul_(dy5).sum(-1)
+            else:
+                da = torch.linalg.vecdot(dy5, out5 if out.dtype == acc else out5.to(acc))
+                rows = torch.linalg.vecdot(dy5, m5)
+                da = da.sub_(rows if scale is None else rows.mul_(scale))
+            d_alpha = da.view(B, Hq, T).to(alpha.dtype)
         if need_m:
-            # d m = sum over the group of (alpha_ma - a) * dy, then over T for a (B, Hm, 1, D) mean.
-            if m_owned:
-                free.append(m)
-            d_m = _into(torch.mul, dy5[:, :, 0], b[:, :, 0], free.pop() if free else None)
+            # d m = sum over the group of b * dy (then over T for a (B, Hm, 1, D) m); m is read no more.
+            buf = m if eager and m_scratch and m.shape == (B, Hm, T, D) and m.is_contiguous() else None
+            d_m = torch.mul(dy5[:, :, 0], b[:, :, 0]) if buf is None else torch.mul(dy5[:, :, 0], b[:, :, 0], out=buf)
             for g in range(1, G):
                 d_m.addcmul_(dy5[:, :, g], b[:, :, g])
             d_m = d_m.sum_to_size(m.shape).to(m.dtype)

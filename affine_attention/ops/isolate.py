@@ -13,11 +13,19 @@ def isolate_nonfinite(k: Tensor, v: Tensor, mask: MaskSpec, Hq: int) -> tuple[Te
     seen: (B, Hkv|Hq, T|1, 1) bool is True for the queries that may see such a row (None when there is none).
 
     Kernels multiply hidden values by a zero weight and add a -inf bias to hidden logits; 0 * nan and nan - inf are
-    nan, so without this a padded or future key poisons rows that never see it. Costs O(S * D) (a prefix sum of
-    the per-key indicator under structured masks) and no host sync on accelerators or under torch.compile."""
+    nan, so without this a padded or future key poisons rows that never see it. Nothing to do where the mask
+    hides no key (every query sees every key, e.g. one decoding step without padding): a non-finite row then
+    reaches every output, as in the reference. Eager CPU first asks one reduction per tensor (a nan or inf makes
+    the sum non-finite; a finite overflow only sends it on to the exact per-row test), which costs a read of K
+    and V and one host sync. Elsewhere (accelerators, torch.compile) asking would sync, so the rows are always
+    cleaned: O(S * D) and copies of K and V (a prefix sum of the per-key indicator under structured masks)."""
+    if not mask.kinds:
+        return k, v, None
+    if k.device.type == "cpu" and not torch.compiler.is_compiling() and bool(torch.isfinite(k.sum() + v.sum())):
+        return k, v, None  # the common case
     bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # (B, Hkv, S)
     if k.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(bad.any()):
-        return k, v, None  # the common case, skipped where asking costs no device sync (eager CPU)
+        return k, v, None  # every element finite after all: the sum overflowed
     row = bad[..., None]
     seen, _ = visible_sum_and_count(bad[..., None].to(v.dtype), mask, Hq)
     return k.masked_fill(row, 0), v.masked_fill(row, 0), seen > 0.5

@@ -24,23 +24,27 @@ class ValueMean:
     Hq: int
     bias_norm: str = "visible"
 
-    def _denominator(self, count: Tensor) -> Tensor:
-        return count.clamp(min=1) if self.bias_norm == "visible" else count.new_full((), float(max(self.mask.S, 1)))
+    def _inverse(self, count: Tensor) -> Tensor:
+        """1 / N, rank 4, broadcastable to the sums: (B|1, 1, T|1, 1)."""
+        if self.bias_norm == "visible":
+            return count.clamp(min=1).reciprocal()
+        return count.new_full((1, 1, 1, 1), 1.0 / max(self.mask.S, 1))
 
     def __call__(self, v: Tensor) -> Tensor:
         """m, differentiable through autograd (used where the transpose below does not apply)."""
         total, count = visible_sum_and_count(v, self.mask, self.Hq)
-        return total / self._denominator(count)
+        return total * self._inverse(count)
 
-    def value(self, v: Tensor) -> tuple[Tensor, Tensor]:
-        """(m, its denominator) without autograd, m divided in place (a fresh buffer, never v's own storage)."""
+    def sum(self, v: Tensor) -> tuple[Tensor, Tensor]:
+        """(total, inv) without autograd: m = total * inv. total: (B, Hkv, T|1, D) float32 (float64 for float64),
+        a buffer the caller may overwrite (never v's own storage); inv: (B|1, 1, T|1, 1). The epilogue folds inv
+        into its per-row coefficients, so m itself is never formed (one pass less each way)."""
         with torch.no_grad():
             total, count = visible_sum_and_count(v, self.mask, self.Hq)
-            denom = self._denominator(count)
-            # Compiled graphs fuse the division anyway (and cannot inspect storage).
-            if torch.compiler.is_compiling() or total.untyped_storage().data_ptr() == v.untyped_storage().data_ptr():
-                return total / denom, denom
-            return total.div_(denom), denom
+            if not torch.compiler.is_compiling() and \
+                    total.untyped_storage().data_ptr() == v.untyped_storage().data_ptr():
+                total = total.clone()
+            return total, self._inverse(count)
 
     @property
     def has_transpose(self) -> bool:
@@ -49,26 +53,29 @@ class ValueMean:
         structured = m.dense is None and m.window is None and m.documents is None
         return structured and (not m.causal or m.causal_is_trivial or m.offset >= 0)
 
-    def transpose(self, d_m: Tensor, denom: Tensor, v: Tensor) -> Tensor:
-        """d v: (B, Hkv, S, D) in v.dtype from d m: (B, Hkv, T|1, D) (overwritten), for has_transpose masks.
+    def transpose(self, d_total: Tensor, v: Tensor) -> Tensor:
+        """d v: (B, Hkv, S, D) in v.dtype from d_total: (B, Hkv, T|1, D), the gradient of `sum`'s total
+        (overwritten), for has_transpose masks.
 
         Query i sees keys j <= i + S - T (all keys without a causal rule) that the key mask keeps, so
-        d v_j = keep_j * sum over the queries i that see j of d m_i / N_i: a suffix sum over queries.
+        d v_j = keep_j * (sum of d_total_i over the queries i that see j): a suffix sum over queries.
         """
         mk = self.mask
         B, Hkv, S, D = v.shape
-        x = d_m.div_(denom)
         dv = torch.empty((B, Hkv, S, D), dtype=v.dtype, device=v.device)
         if not mk.causal or mk.causal_is_trivial:
-            dv.copy_(x.sum(-2, keepdim=True).expand(B, Hkv, S, D))
+            dv.copy_(d_total.sum(-2, keepdim=True).expand(B, Hkv, S, D))
         else:
             T, off = mk.T, mk.offset
-            total = x.sum(-2, keepdim=True)  # (B, Hkv, 1, D): what every key up to the first query's last sees
-            # Key j > off is seen by queries i >= j - off: the total less the prefix over the queries before. In
-            # place, then copied into dv (in v's dtype) shifted by one row: no further buffer.
-            rest = x.cumsum_(-2).neg_().add_(total)
+            # Key j > off is seen by queries i >= j - off: the total less the prefix over the queries before,
+            # i.e. c[-1] - c[j - off - 1] with c the prefix sums (in place), written into dv shifted by one row.
+            c = d_total.cumsum_(-2)
+            total = c[:, :, -1:]
             dv[:, :, :off + 1].copy_(total.expand(B, Hkv, off + 1, D))
-            dv[:, :, off + 1:].copy_(rest[:, :, :T - 1])
+            if torch.compiler.is_compiling():  # a compiled graph plans its own buffers (and refuses most out=)
+                dv[:, :, off + 1:].copy_(total - c[:, :, :T - 1])
+            else:
+                torch.sub(total, c[:, :, :T - 1], out=dv[:, :, off + 1:])
         if mk.keys is not None:
             dv.mul_(mk.keys[:, :, 0, :, None])
         return dv

@@ -8,21 +8,20 @@ calls that need no lse.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from ..._compat import float_acc
+from ..._compat import as_dtype, float_acc
 from ..masks import MaskSpec
 
 
-@dataclass(frozen=True)
-class Call:
+class Call(NamedTuple):
     """What a backend is asked to do; `Backend.supports` reads only this (shapes, dtype, device, mask kinds).
 
     q: (B, Hq, T, D), k/v: (B, Hkv, S, D). needs_lse: the caller wants the log-sum-exp (sinks) or, equivalently,
-    the raw forward/backward pair.
+    the raw forward/backward pair. A NamedTuple: built once per op call, and a decoding step is tens of µs.
     """
 
     device_type: str
@@ -76,6 +75,16 @@ class Backend:
         raise NotImplementedError(f"backend {self.name!r} has no raw backward()")
 
 
+def with_sink(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """out: (B, Hq, T, D), lse: (B, Hq, T), sinks: (Hq,) or None -> (out * g, g) with g = sigmoid(lse - s):
+    (B, Hq, T) in float32 (float64 for float64); (out, None) without sinks. An empty row (lse = -inf) gets 0."""
+    if sinks is None:
+        return out, None
+    acc = float_acc(out.dtype)
+    gate = torch.sigmoid(as_dtype(lse, acc) - as_dtype(sinks, acc)[None, :, None])
+    return as_dtype(as_dtype(out, acc) * gate[..., None], out.dtype), gate
+
+
 class KernelAttention(torch.autograd.Function):
     """Softmax attention through a backend's raw pair, optionally with a sink: out' = out * g, g = sigmoid(lse - s).
 
@@ -86,12 +95,7 @@ class KernelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend: Backend, q, k, v, sinks, mask: MaskSpec, scale: float):
         out, lse = backend.forward(q, k, v, mask, scale)
-        gate = None
-        if sinks is not None:
-            acc = float_acc(q.dtype)
-            # An empty row has lse = -inf: gate 0, output 0.
-            gate = torch.sigmoid(lse.to(acc) - sinks.to(acc)[None, :, None])
-            out = (out.to(acc) * gate[..., None]).to(q.dtype)
+        out, gate = with_sink(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, gate, sinks)
         ctx.backend, ctx.mask, ctx.scale = backend, mask, scale
         ctx.mark_non_differentiable(lse)
