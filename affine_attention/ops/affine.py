@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ._validate import check_bias_norm, check_per_head, check_per_query, check_qkv, check_scale, check_v_mean
 from .backends import attention as kernel_attention
-from .epilogue import epilogue
+from .epilogue import gate4, run_checked, select_impl
 from .isolate import isolate_nonfinite, poison_seen
 from .masks import parse_mask
 from .value_mean import ValueMean
@@ -71,14 +71,14 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
     # A non-finite key or value that the mask hides must reach no output (isolate.py).
     k, v, seen = isolate_nonfinite(k, v, mask, Hq)
     out, _ = kernel_attention(q, k, v, mask, scale, sinks=sinks, backend=backend)
+    # Every argument is checked above: the epilogue runs without checking them again (µs per decode step).
+    impl, g = select_impl(out.device, epilogue_impl), gate4(gate, out)
     if alpha is None:
-        return poison_seen(epilogue(out, gate=gate, impl=epilogue_impl), seen)
+        return poison_seen(run_checked(impl, out, None, None, g, None, None, None), seen)
     if v_mean is None:
         mean = ValueMean(mask, Hq, bias_norm)
         if mean.has_transpose:
-            # Prefix-sum masks: the epilogue recomputes the mean from v in backward instead of saving it.
-            return poison_seen(epilogue(out, alpha=alpha, alpha_ma=alpha_ma, v=v, mean=mean, gate=gate,
-                                        impl=epilogue_impl), seen)
+            # Prefix-sum masks: the epilogue recomputes the sums from v in backward instead of saving them.
+            return poison_seen(run_checked(impl, out, alpha, alpha_ma, g, None, v, mean), seen)
         v_mean = mean(v)  # other masks: differentiated by autograd, kept for backward
-    return poison_seen(epilogue(out, alpha=alpha, alpha_ma=alpha_ma, v_mean=v_mean, gate=gate, impl=epilogue_impl),
-                       seen)
+    return poison_seen(run_checked(impl, out, alpha, alpha_ma, g, v_mean, None, None), seen)

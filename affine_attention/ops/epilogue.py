@@ -57,7 +57,7 @@ def select_impl(device: torch.device, impl: str | None = None) -> str:
     return name
 
 
-def _gate4(gate: Tensor | float | None, out: Tensor) -> Tensor | None:
+def gate4(gate: Tensor | float | None, out: Tensor) -> Tensor | None:
     """The gate as a rank-4 tensor broadcastable to out (B, Hq, T, D), each dimension 1 or full."""
     if gate is None:
         return None
@@ -105,12 +105,10 @@ def epilogue(out: Tensor, *, alpha: Tensor | None = None, alpha_ma: Tensor | Non
     if not isinstance(out, Tensor) or out.dim() != 4:
         raise ValueError(f"out must be the (B, Hq, T, D) attention output, got "
                          f"{tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__}")
-    g = _gate4(gate, out)
+    g = gate4(gate, out)
     if alpha is None:
         if alpha_ma is not None or v_mean is not None or v is not None:
             raise ValueError("alpha_ma, v_mean and v belong to the affine part: pass alpha with them, or none")
-        if g is None:
-            return out
     else:
         if alpha_ma is None:
             raise ValueError("alpha needs alpha_ma: (Hq,), the running mean of alpha")
@@ -122,7 +120,15 @@ def epilogue(out: Tensor, *, alpha: Tensor | None = None, alpha_ma: Tensor | Non
                              "with T <= S, key padding); for this mask pass v_mean=mean(v) (autograd keeps it)")
         if v_mean is not None:
             _check_affine(out, alpha, alpha_ma, tuple(v_mean.shape))
-    name = select_impl(out.device, impl)
+    return run_checked(select_impl(out.device, impl), out, alpha, alpha_ma, g, v_mean, v, mean)
+
+
+def run_checked(name: str, out: Tensor, alpha, alpha_ma, gate, v_mean, v, mean) -> Tensor:
+    """`epilogue` after its checks, with gate already rank 4 (`gate4`) and the implementation chosen: for callers
+    that validated every argument themselves (the attention ops, once per call)."""
+    g = gate
+    if alpha is None and g is None:
+        return out
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad
                                               for t in (out, alpha, alpha_ma, g, v_mean, v)):
         # Nothing to differentiate (decoding): the forward alone, without an autograd node (a few µs per layer).

@@ -7,6 +7,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from .._compat import as_dtype
 from ..ops import affine_scaled_attention_reference
 from . import running_stats
 from .base import OKABE_ITO, AttentionVariant, Display, Prologue
@@ -75,7 +76,7 @@ class AffineAttention(AttentionVariant):
     def compute_alpha(self, x: Tensor) -> Tensor:
         """x: (B, T, hidden) -> alpha: (B, Hq, T) in float32 (float64 for float64 input)."""
         pre = self.alpha_proj(x)  # (B, T, Hq)
-        pre = pre.double() if x.dtype == torch.float64 else pre.float()
+        pre = as_dtype(pre, torch.float64 if x.dtype == torch.float64 else torch.float32)
         return ACTIVATIONS[self.options.activation](pre).transpose(1, 2)
 
     def _alpha_ma_for_forward(self, alpha: Tensor, token_mask: Tensor | None) -> Tensor:
