@@ -1,7 +1,6 @@
 """cuda_flash without a GPU: the aten calls on meta tensors (shapes, dtypes, lse layout, the backward's wiring), its
 varlen plans through a CPU model of the kernel against the float64 reference, and what `supports` accepts. With a
 GPU (`-m cuda`), the real kernel in bf16 against the float64 reference on outputs and every gradient."""
-import dataclasses
 
 import pytest
 import torch
@@ -119,7 +118,7 @@ def cpu_model(monkeypatch):
     monkeypatch.setattr(cuda_flash, "_platform_reason", lambda: None)
     supports = cuda_flash.CudaFlashBackend.supports
     monkeypatch.setattr(cuda_flash.CudaFlashBackend, "supports", lambda self, call: supports(
-        self, dataclasses.replace(call, device_type="cuda", dtype=torch.bfloat16)))
+        self, call._replace(device_type="cuda", dtype=torch.bfloat16)))
     cuda_flash._PLANS.clear()
 
 

@@ -2,6 +2,8 @@
 query may see still makes that query's output non-finite (never silently replaced)."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -21,7 +23,7 @@ def isolate_nonfinite(k: Tensor, v: Tensor, mask: MaskSpec, Hq: int) -> tuple[Te
     cleaned: O(S * D) and copies of K and V (a prefix sum of the per-key indicator under structured masks)."""
     if not mask.kinds:
         return k, v, None
-    if k.device.type == "cpu" and not torch.compiler.is_compiling() and bool(torch.isfinite(k.sum() + v.sum())):
+    if k.device.type == "cpu" and not torch.compiler.is_compiling() and math.isfinite((k.sum() + v.sum()).item()):
         return k, v, None  # the common case
     bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # (B, Hkv, S)
     if k.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(bad.any()):
