@@ -212,9 +212,11 @@ def visible_sum_and_count(v: Tensor, mask: MaskSpec, Hq: int) -> tuple[Tensor, T
                                                                           device=v.device)
         return total, count
     if mask.offset >= 0:
-        # Query i's last visible key is i + offset: a slice of the prefix sums, no gather needed. In place where
-        # vf is already a copy (a dtype conversion, the key mask): one (B, Hkv, S, D) buffer less.
-        csum = (vf.cumsum_(-2) if vf is not v else vf.cumsum(-2))[:, :, mask.offset:]
+        # Query i's last visible key is i + offset: a slice of the prefix sums, no gather needed. In place on a
+        # contiguous copy (the one a dtype conversion or the key mask made, or a fresh one): on CPU a copy plus an
+        # in-place scan is a third faster than the out-of-place scan, and needs no second buffer.
+        vf = vf.clone(memory_format=torch.contiguous_format) if vf is v or not vf.is_contiguous() else vf
+        csum = vf.cumsum_(-2)[:, :, mask.offset:]
         count = (km.cumsum(-2)[:, :, mask.offset:] if km is not None
                  else torch.arange(mask.offset + 1, mask.S + 1, device=v.device, dtype=acc)[None, None, :, None])
         return csum, count
