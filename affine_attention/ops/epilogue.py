@@ -268,9 +268,17 @@ class _eager:
                     m5.neg_().add_(out5)
                 da = diff.mul_(dy5).sum(-1)
             else:
-                da = torch.linalg.vecdot(dy5, out5 if out.dtype == acc else out5.to(acc))
-                rows = torch.linalg.vecdot(dy5, m5)
-                da = da.sub_(rows if scale is None else rows.mul_(scale))
+                # Per group of query heads, out - m in one (B, Hm, T, D) scratch buffer, then the product: no
+                # (B, Hq, T, D) float32 temporary (a row dot product would build one).
+                scratch = torch.empty((B, Hm, T, D), dtype=acc, device=out.device)
+                da = torch.empty((B, Hm, G, T), dtype=acc, device=out.device)
+                for g in range(G):
+                    scratch.copy_(out5[:, :, g])
+                    if inv is None:
+                        scratch.sub_(m5[:, :, 0])
+                    else:
+                        scratch.addcmul_(m5[:, :, 0], inv, value=-1.0)
+                    da[:, :, g] = scratch.mul_(dy5[:, :, g]).sum(-1)
             d_alpha = da.view(B, Hq, T).to(alpha.dtype)
         if need_m:
             # d m = sum over the group of b * dy (then over T for a (B, Hm, 1, D) m); m is read no more.
