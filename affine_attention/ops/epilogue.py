@@ -256,17 +256,16 @@ class _eager:
             torch.mul(dy5, a, out=d_out.view(B, Hm, G, T, D))  # rounded once, no float32 copy
         else:
             d_out = torch.mul(dy5, a).to(out.dtype).view(B, Hq, T, D)
-        scale = None if inv is None else inv.unsqueeze(2)[..., 0]  # (B|1, 1, 1, T|1): the weight of m's rows
         if need_alpha_ma:
             rows = torch.linalg.vecdot(dy5, m5)  # (B, Hm, G, T)
-            d_alpha_ma = (rows if scale is None else rows * scale).sum((0, 3)).reshape(Hq).to(alpha_ma.dtype)
+            if inv is not None:
+                rows = rows * inv.unsqueeze(2)[..., 0]  # inv as (B|1, 1, 1, T|1): the weight of m's rows
+            d_alpha_ma = rows.sum((0, 3)).reshape(Hq).to(alpha_ma.dtype)
         if need_alpha:
             # d alpha = dy . (out - m)
-            if eager and m_scratch and G == 1 and m5.shape == out5.shape and m5.is_contiguous():
+            if eager and m_scratch and inv is not None and G == 1 and m5.shape == out5.shape and m5.is_contiguous():
                 # out - m formed in m's own buffer in one pass, then the product: no temporary (B, Hq, T, D).
-                diff = torch.addcmul(out5, m5, -scale[..., None], out=m5) if scale is not None else \
-                    m5.neg_().add_(out5)
-                da = diff.mul_(dy5).sum(-1)
+                da = torch.addcmul(out5, m5, inv.unsqueeze(2), value=-1.0, out=m5).mul_(dy5).sum(-1)
             else:
                 # Per group of query heads, out - m in one (B, Hm, T, D) scratch buffer, then the product: no
                 # (B, Hq, T, D) float32 temporary (a row dot product would build one).

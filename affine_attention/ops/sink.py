@@ -1,13 +1,13 @@
-"""Attention with a sink (GPT-OSS style) and off-by-one softmax: extra exp(s) in the softmax denominator."""
+"""Attention with a sink (GPT-OSS style) and off-by-one softmax: extra exp(s) in the softmax denominator.
+
+Both, and plain softmax, are the one fast path of ops/affine.py (`attention_with_epilogue`) without its affine part.
+"""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ._validate import check_per_head, check_qkv, check_scale
-from .backends import attention as kernel_attention
-from .isolate import isolate_nonfinite, poison_seen
-from .masks import parse_mask
+from .affine import attention_with_epilogue
 
 
 def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, *, attn_mask: Tensor | None = None,
@@ -19,12 +19,10 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, *, attn_mask:
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D); sinks: (Hq,) logits, learnable. Returns (B, Hq, T, D).
     Mask semantics (attn_mask, is_causal, window, document_ids) and backend as affine_scaled_attention.
     """
-    B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
-    check_per_head("sinks", sinks, Hq, q.device)
-    scale = check_scale(scale, D)
-    mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device, window=window, document_ids=document_ids)
-    k, v, seen = isolate_nonfinite(k, v, mask, Hq)
-    return poison_seen(kernel_attention(q, k, v, mask, scale, sinks=sinks, backend=backend)[0], seen)
+    if not isinstance(sinks, Tensor):
+        raise ValueError(f"sinks must be a (Hq,) tensor of sink logits, got {type(sinks).__name__}")
+    return attention_with_epilogue(q, k, v, sinks=sinks, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                   enable_gqa=enable_gqa, window=window, document_ids=document_ids, backend=backend)
 
 
 def off_by_one_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
@@ -48,8 +46,5 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | No
 
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D). Returns (B, Hq, T, D).
     """
-    B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
-    scale = check_scale(scale, D)
-    mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device, window=window, document_ids=document_ids)
-    k, v, seen = isolate_nonfinite(k, v, mask, Hq)
-    return poison_seen(kernel_attention(q, k, v, mask, scale, backend=backend)[0], seen)
+    return attention_with_epilogue(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                   enable_gqa=enable_gqa, window=window, document_ids=document_ids, backend=backend)
