@@ -35,6 +35,11 @@ def test_fixture_tasks_are_refused_before_training(tiny, tmp_path, capsys):
     assert "offline fixture tasks" in capsys.readouterr().err
     assert not out.exists()  # nothing trained
     assert main(["compare", *sets(tiny), "--out", str(out), "--tasks", "fixture_piqa"]) == 2
+    capsys.readouterr()
+    # A name lm-eval does not know fails before training too (not after every variant and seed has trained).
+    assert main(["compare", *sets(tiny + ["train.steps=2"]), "--out", str(out), "--tasks", "arc_eazy"]) == 2
+    assert "arc_eazy" in capsys.readouterr().err
+    assert not out.exists()
 
 
 @pytest.mark.slow  # 4 trainings, 4 lm-eval runs and the report: minutes on 2 cores

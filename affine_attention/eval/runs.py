@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from .harness import FIXTURE_TASKS, expand_tasks
+from .harness import check_tasks as harness_check_tasks
 
 METRIC = "acc"
 
 
-def check_tasks(tasks: str) -> list[str]:
-    """The task names of `tasks` (aliases expanded); ValueError for the offline fixtures."""
+def check_tasks(tasks: str, include_path: list[str] | None = None) -> list[str]:
+    """The task names of `tasks` (aliases expanded); ValueError for the offline fixtures, then for any name
+    lm-eval does not know (harness.check_tasks: before training, so a typo costs no run)."""
     names = expand_tasks(tasks)
     fixtures = [n for n in names if n in FIXTURE_TASKS or n == "fixtures"]
     if fixtures:
@@ -26,7 +28,7 @@ def check_tasks(tasks: str) -> list[str]:
                          "samples that test the pipeline); their scores are not accuracies and are never reported. "
                          "Use --tasks paper (needs the Hub or a datasets cache) or your own task files with "
                          "--include-path DIR")
-    return names
+    return harness_check_tasks(names, include_path)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -41,7 +43,7 @@ def evaluate_run(run_dir: str | Path, tasks: str, *, include_path: list[str] | N
     from ..hf.load import load_model, load_tokenizer
     from .harness import evaluate
 
-    names = check_tasks(tasks)
+    names = check_tasks(tasks, include_path)
     run_dir = Path(run_dir)
     out: dict[str, dict[int, dict[str, float]]] = {}
     for final in sorted(run_dir.glob("*/seed*/final")):
