@@ -103,6 +103,29 @@ def test_running_sum_is_used_and_rebuilt_after_crop(monkeypatch):
     assert (torch.cat(last, 1) - full[:, 7:])[mask[:, 7:10].bool()].abs().max() <= TOL
 
 
+def test_key_mask_is_compared_once_per_step_not_per_layer(monkeypatch):
+    """Every layer sees the same padding: one comparison of the cached positions' mask per model forward (on a GPU
+    each is a host sync), not one per layer."""
+    model = tiny("llama", "affine")
+    perturb(model)
+    calls = []
+    real_equal = value_cache.torch.equal
+
+    def counting_equal(a, b):
+        calls.append(1)
+        return real_equal(a, b)
+
+    monkeypatch.setattr(value_cache.torch, "equal", counting_equal)
+    ids, mask, pos = left_padded(T=10)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :6], attention_mask=mask[:, :6], position_ids=pos[:, :6], **{CACHE: cache})
+        calls.clear()
+        for t in range(6, 10):
+            model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1], **{CACHE: cache})
+    assert model.config.num_hidden_layers > 1 and len(calls) == 4  # 4 steps
+
+
 @pytest.mark.parametrize("variant", ["affine", "sink"])
 def test_beam_search_matches_uncached(variant):
     """Beam search reorders the cache every step: the running sum is rebuilt, never stale."""

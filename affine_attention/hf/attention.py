@@ -52,15 +52,17 @@ def capture_attention_input(module: nn.Module, args: tuple, kwargs: dict[str, An
 
 
 def _variant_mask(mask: Tensor | None, B: int, T: int, S: int, training: bool):
-    """HF mask -> (attn_mask for the variant, is_causal, token_mask (B, T) or None).
+    """HF mask -> (attn_mask for the variant, is_causal, token_mask (B, T) or None, keys (B|1, S) or None).
 
     None: plain causal. (B|1, 1, 1, S): key padding mask under the causal rule, as `structured_mask` emits it (a
     user-supplied 4D mask of this shape is read the same way; for T == 1 both readings coincide).
     (B|1, 1, T, S) with T > 1: a dense mask, used as given without adding the causal rule (as SDPA does).
-    token_mask, for the alpha_ma statistic, is only computed in training.
+    token_mask, for the alpha_ma statistic, is only computed in training. keys: the key padding of a structured mask
+    (what a decoding cache's running sum of V compares between steps: one object per mask, so every layer compares
+    the same pair once per model forward).
     """
     if mask is None:
-        return None, True, None
+        return None, True, None, None
     if not isinstance(mask, Tensor) or mask.dim() != 4:
         raise ValueError(f"affine_attention expects a 4D boolean attention mask (B, 1, T, S) or None, got "
                          f"{type(mask).__name__} of shape {tuple(getattr(mask, 'shape', ()))}")
@@ -69,14 +71,14 @@ def _variant_mask(mask: Tensor | None, B: int, T: int, S: int, training: bool):
                          "pass a 2D padding mask or a boolean 4D mask")
     if mask.shape[-2] == 1 and mask.shape[1] == 1:
         token_mask = mask[:, 0, 0, S - T:].expand(B, T) if training and S >= T else None
-        return mask, True, token_mask
+        return mask, True, token_mask, mask[:, 0, 0, :]
     token_mask = None
     if training and mask.shape[1] == 1 and mask.shape[-2] == T and S >= T:
         # A real query sees its own key (under padding masks only padded keys are hidden), so the diagonal
         # (bottom-right aligned) marks the real tokens for the alpha_ma statistic.
         idx = torch.arange(T, device=mask.device)
         token_mask = mask[:, 0, idx, idx + (S - T)].expand(B, T)
-    return mask, False, token_mask
+    return mask, False, token_mask, None
 
 
 # Every layer of one model forward receives the same mask object (one per layer type): the first layer parses it,
@@ -90,7 +92,7 @@ _MEMO_SIZE = 4  # mask objects per forward: one per layer type (full, sliding), 
 def _parsed_mask(mask: Tensor | None, B: int, T: int, S: int, training: bool):
     """`_variant_mask`, computed once per mask object and shape (the decode hot path: once per model forward)."""
     if mask is None:
-        return None, True, None
+        return None, True, None, None
     if torch.compiler.is_compiling() or not isinstance(mask, Tensor) or mask.dim() != 4 or mask.shape[-2] != 1:
         return _variant_mask(mask, B, T, S, training)
     key = (B, T, S, training)
@@ -131,7 +133,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     T, S = query.shape[-2], key.shape[-2]
-    mask, is_causal, token_mask = _parsed_mask(attention_mask, query.shape[0], T, S, variant.training)
+    mask, is_causal, token_mask, keys = _parsed_mask(attention_mask, query.shape[0], T, S, variant.training)
     # Packed rows (see packing.py) and sliding windows stay structured: the variants get document ids / a window
     # instead of a dense (T, S) mask, so their fast paths run.
     document_ids = kwargs.get(packing.DOCS_KWARG)
@@ -142,7 +144,6 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     v_mean = None
     cache = kwargs.get(CACHE_KWARG)
     if cache is not None and variant.uses_value_mean and window is None and is_causal:
-        keys = None if mask is None else mask[:, 0, 0, :]  # (B|1, S)
         v_mean = value_cache.value_mean(cache, module.layer_idx, value, keys, T,
                                         getattr(variant.options, "bias_norm", "visible"),
                                         kwargs.get(TRUSTED_KWARG, False))

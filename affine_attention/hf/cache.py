@@ -117,5 +117,4 @@ def value_mean(cache, layer_idx: int, value: Tensor, keys: Tensor | None, T: int
     setattr(layer, _COUNT, count[:, :, -1:].detach())
     setattr(layer, _KEYS, keys)
     setattr(layer, _SRC, layer.values)
-    denom = count if bias_norm == "visible" else torch.full_like(count, float(S))
-    return total / denom.clamp(min=1)
+    return total / (count.clamp(min=1) if bias_norm == "visible" else float(max(S, 1)))

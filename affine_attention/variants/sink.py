@@ -43,18 +43,18 @@ class SinkAttention(AttentionVariant):
         super().__init__(shape, options)
         self.sinks = nn.Parameter(torch.full((shape.num_heads,), self.options.init))
 
-    def _sink_logits(self):
-        return self.sinks
+    def _sink_logits(self, device: torch.device):
+        return self.sinks.to(device)
 
     def state_statistics(self):
         return {"sinks": self.sinks}
 
     def prologue(self, x, token_mask):
         # The sink lives inside the kernel (its gradient needs the kernel's backward), not in the epilogue.
-        return Prologue(sinks=self._sink_logits().to(x.device), gate=self.output_gate(x))
+        return Prologue(sinks=self._sink_logits(x.device), gate=self.output_gate(x))
 
     def attend_reference(self, q, k, v, x, *, mask, scale):
-        out, w = sink_attention_reference(q, k, v, self._sink_logits().to(q.device, q.dtype), **mask, scale=scale,
+        out, w = sink_attention_reference(q, k, v, self._sink_logits(q.device).to(q.dtype), **mask, scale=scale,
                                           enable_gqa=self._gqa)
         return out, w, {"sink_mass": 1.0 - w.sum(-1)}
 
@@ -78,8 +78,8 @@ class OffByOneAttention(SinkAttention):
                          "start it at plain softmax, so it cannot preserve a model's function; use 'sink' (a "
                          "learnable logit that starts at a negligible mass) or function_preserving=False")
 
-    def _sink_logits(self):
-        return torch.zeros(self.shape.num_heads)
+    def _sink_logits(self, device: torch.device):
+        return torch.zeros(self.shape.num_heads, device=device)  # made where it is used: no copy per layer
 
     def state_statistics(self):
         return {}
