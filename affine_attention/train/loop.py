@@ -28,7 +28,7 @@ from .packing import model_inputs
 from .distributed import DistInfo, accumulation, all_equal, all_reduce_sum, barrier, full_state, load_full_state, \
     setup, wrap
 from .metrics import MetricsLog, Progress, TokenStats, heldout_loss, qk_logit_probe, running_buffers, \
-    state_per_head, state_per_layer
+    state_per_head, state_per_layer, sum_dtype
 
 # What a run writes into its folder: a new run refuses a folder holding any of them (nothing is replaced silently).
 RUN_FILES = ("metrics.jsonl", "result.json", "final", "checkpoints")
@@ -217,7 +217,8 @@ class Trainer:
         """Accumulate gradients over this rank's micro-batches of rows (L, T + 1) with sequence ids (L,); returns
         (3,) float64 sums of micro-batch means of (loss, ce, kd)."""
         tc, cfg, teacher, model = self.tc, self.cfg, self.teacher, self.model
-        sums = torch.zeros(3, dtype=torch.float64)
+        # Kept on the device: a float() per micro-batch would wait for it each time (one transfer in log_step).
+        sums = torch.zeros(3, dtype=sum_dtype(self.info.device), device=self.info.device)
         for i in range(self.n_micro):
             sl = slice(i * tc.micro_batch, (i + 1) * tc.micro_batch)
             inputs, targets = rows[sl, :-1], rows[sl, 1:]
@@ -232,8 +233,8 @@ class Trainer:
                 else:
                     loss = ce
                 (loss / self.n_micro).backward()
-            sums += torch.tensor([float(loss.detach()), float(ce.detach()),
-                                  float(kd.detach()) if kd is not None else 0.0], dtype=torch.float64)
+            sums += torch.stack([loss.detach(), ce.detach(), kd.detach() if kd is not None else torch.zeros_like(ce)
+                                 ]).to(sums.dtype)
         return sums
 
     def optimizer_step(self) -> float:
@@ -254,7 +255,7 @@ class Trainer:
 
     def log_step(self, step: int, sums: torch.Tensor, lr: float, grad_norm: float, dt: float) -> dict[str, Any]:
         """Average the losses over ranks, write the train record with the variant's statistics, update progress."""
-        sums = all_reduce_sum(sums.to(self.info.device), self.info).cpu() / (self.n_micro * self.info.world)
+        sums = all_reduce_sum(sums, self.info).cpu().double() / (self.n_micro * self.info.world)
         rec = {"kind": "train", "step": step, "loss": float(sums[0]), "ce_loss": float(sums[1]), "lr": lr,
                "grad_norm": grad_norm, "tokens_per_s": self.tokens_per_step / dt, "tokens": self.tokens_seen,
                "wall_time": self.wall0 + time.time() - self.t_seg}

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..ops.logits import visible_logit_sums
 from ..variants import AttentionVariant
+from ..variants.running_stats import recomputing
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -69,6 +70,11 @@ class MetricsLog:
                 f.write(json.dumps(record, allow_nan=True) + "\n")
 
 
+def sum_dtype(device: torch.device) -> torch.dtype:
+    """float64 for sums kept on `device` (MPS has no float64)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 class TokenStats:
     """Per-layer sums of each declared per-token statistic (variant.token_stats, e.g. affine's alpha), of its square
     and counts, over the training forwards of one step (forward hooks)."""
@@ -76,21 +82,24 @@ class TokenStats:
     def __init__(self, model: nn.Module):
         self.mods = [m for m in variant_modules(model) if m.token_stats]
         self.keys = list(dict.fromkeys(k for m in self.mods for k in m.token_stats))
-        # (layer, key, [sum, sum of squares, count]); a layer without a key keeps count 0 and is left out
-        self.acc = torch.zeros(len(self.mods), len(self.keys), 3, dtype=torch.float64)
+        # (layer, key, [sum, sum of squares, count]); a layer without a key keeps count 0 and is left out. Made on
+        # the device of the first statistic, so the hooks never wait for the device (one transfer per `collect`).
+        self.acc: torch.Tensor | None = None
         self.handles = [m.register_forward_hook(self._hook(i), with_kwargs=True) for i, m in enumerate(self.mods)]
 
     def _hook(self, i: int):
         def hook(module, args, kwargs, output):
             # Skip eval forwards and activation-checkpointing recomputations (inside backward).
-            if not module.training or torch._C._current_graph_task_id() != -1:
+            if not module.training or recomputing():
                 return
             x = args[3] if len(args) > 3 else kwargs["x"]  # forward(q, k, v, x, ...)
             with torch.no_grad():
                 for key, a in module.token_statistics(x.detach()).items():  # (B, Hq, T)
-                    a = a.double()
+                    a = a.to(sum_dtype(a.device))
+                    if self.acc is None:
+                        self.acc = self._zeros(a.device)
                     self.acc[i, self.keys.index(key)] += torch.stack([a.sum(), (a * a).sum(),
-                                                                      a.new_tensor(a.numel())]).cpu()
+                                                                      a.new_tensor(a.numel())])
         return hook
 
     def collect(self, info) -> dict[str, list[float]]:
@@ -99,8 +108,10 @@ class TokenStats:
             return {}
         from .distributed import all_reduce_sum
 
+        if self.acc is None:
+            self.acc = self._zeros(info.device)
         # clone: on a CPU device .to() and .cpu() return the accumulator itself, which zero_() would then clear
-        acc = all_reduce_sum(self.acc.clone().to(info.device), info).cpu()  # nccl reduces only device tensors
+        acc = all_reduce_sum(self.acc.clone().to(info.device), info).cpu().double()  # nccl: device tensors only
         self.acc.zero_()
         out = {}
         for j, key in enumerate(self.keys):
@@ -110,6 +121,9 @@ class TokenStats:
             std = (rows[:, 1] / n - mean * mean).clamp(min=0).sqrt()
             out[f"{key}_mean"], out[f"{key}_std"] = mean.tolist(), std.tolist()
         return out
+
+    def _zeros(self, device: torch.device) -> torch.Tensor:
+        return torch.zeros(len(self.mods), len(self.keys), 3, dtype=sum_dtype(device), device=device)
 
     def remove(self) -> None:
         for h in self.handles:
