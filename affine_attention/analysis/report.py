@@ -16,6 +16,7 @@ from ..text.read import json_lines
 from ..variants import REFERENCE as BASELINE
 from ..variants import REGISTRY, control_pairs
 from . import gradstats
+from .claims import MIN_SEEDS, SPREAD_FACTOR
 from .report_template import Figure, Heading, Para, Table, to_html, to_markdown
 
 __all__ = ["write_report", "load_run"]
@@ -265,7 +266,8 @@ def _control_table(numbers: dict) -> Table | None:
     reading = "; ".join(f"method − {c} isolates {what}" for c, what in isolates.items() if what)
     return Table(["method − control", "paired seeds", "Δ held-out loss", "Δ final train loss", "reading"], rows,
                  "Differences paired by seed (same initial weights and data order), mean ± sample std over seeds; "
-                 "negative = the method has the lower loss. Reading: a direction only when |mean| > 2 x the paired std "
+                 f"negative = the method has the lower loss. Reading: a direction only when |mean| > "
+                 f"{SPREAD_FACTOR:g} x the paired std "
                  "(a rough screen, not a significance test)." + (f" {reading[0].upper()}{reading[1:]}." if reading else ""),
                  "Table 3. Methods against their controls")
 
@@ -277,13 +279,14 @@ def _paired(numbers: dict, a: str, b: str, key: str) -> list[float]:
 
 
 def _verdict(diffs: list[float], subject: str = "method") -> str:
-    """A rough screen, not a significance test: a direction only when |mean| > 2 x the paired sample std."""
+    """A rough screen, not a significance test: a direction only when |mean| > SPREAD_FACTOR x the paired sample
+    std (the Claims table's rule, claims.py)."""
     m, s, n = _mean_std(diffs)
     if m is None:
         return "-"
-    if n < 2:
+    if n < MIN_SEEDS:
         return "one seed: no spread estimate"
-    if abs(m) > 2 * s:
+    if abs(m) > SPREAD_FACTOR * s:
         return f"{subject} {'lower' if m < 0 else 'higher'}".strip()
     return "within seed spread"
 
