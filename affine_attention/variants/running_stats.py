@@ -92,8 +92,9 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
     if not due:
         return
     grew = False
-    for m in due:
-        count = int(m.alpha_acc[-1])
+    dev = due[0].alpha_acc.device
+    counts = torch.stack([m.alpha_acc[-1].to(dev) for m in due]).tolist()  # one host sync, not one per layer
+    for m, count in zip(due, counts):
         last = m._pending_at_last_optimizer_step
         grew |= last is not None and count > last
         m._pending_at_last_optimizer_step = count
