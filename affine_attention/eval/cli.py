@@ -16,17 +16,16 @@ def _limit(text: str) -> int | float:
     return int(value) if value >= 1 else value
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
 def _check_tokenizer_given(args) -> None:
     """A model folder saved without a tokenizer needs --tokenizer: say so before the model loads."""
     from pathlib import Path
 
+    from ..hf.load import TOKENIZER_FILES  # inside: this module imports nothing heavy (the CLI's startup)
+
     folder = Path(args.model)
     if args.tokenizer is None and (folder / "config.json").is_file() and \
-            not any((folder / f).is_file() for f in _TOKENIZER_FILES):
-        raise ValueError(f"the model folder {args.model} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
+            not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"the model folder {args.model} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
                          "pass --tokenizer DIR, e.g. the folder of the model it was trained or converted from, or "
                          "--tokenizer default for the packaged 4096-token tokenizer the tiny presets train with")
 
