@@ -77,12 +77,13 @@ def test_packing_reaches_the_variants_as_document_ids():
 def test_flattening_collator_kwargs():
     """DataCollatorWithFlattening's cu_seq_lens (FlashAttention kwargs) give the same documents as its positions."""
     from transformers import DataCollatorWithFlattening
+    from transformers.masking_utils import find_packed_sequence_indices
 
     features = [{"input_ids": d.tolist()} for d in _docs()]
     batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(features)
     T = batch["input_ids"].shape[1]
     from_cu = packing.documents_from_cu_seqlens(batch["cu_seq_lens_k"], T)
-    from_pos = packing.documents_from_positions(batch["position_ids"])
+    from_pos = find_packed_sequence_indices(batch["position_ids"])  # the rule the packing hook applies
     assert torch.equal(from_cu, from_pos)
     model = tiny("qwen2", "affine")
     with torch.no_grad():

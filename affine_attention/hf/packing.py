@@ -14,20 +14,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers.masking_utils import find_packed_sequence_indices
 from transformers.utils import is_tracing
 
 DOCS_KWARG = "affine_attention_document_ids"
 _HOOK_ATTR = "_affine_attention_packing_hook"
-
-
-def documents_from_positions(position_ids: Tensor) -> Tensor:
-    """position_ids: (B|1, T) int -> document ids (B|1, T) int64: a new document starts wherever the position
-    does not continue the previous one (transformers' rule: position_ids[t] != position_ids[t - 1] + 1)."""
-    if position_ids.dim() != 2:
-        raise ValueError(f"position_ids must have shape (B, T), got {tuple(position_ids.shape)}")
-    step = position_ids[:, 1:] - position_ids[:, :-1]
-    starts = torch.cat([torch.zeros_like(position_ids[:, :1], dtype=torch.long), (step != 1).long()], dim=1)
-    return starts.cumsum(-1)
 
 
 def documents_from_cu_seqlens(cu_seqlens: Tensor, T: int) -> Tensor:
@@ -69,9 +60,12 @@ def detect_packing(decoder: nn.Module, args: tuple, kwargs: dict[str, Any]):
             raise ValueError(f"cu_seq_lens_k describes one flattened row, but the batch has {B} rows")
         docs = documents_from_cu_seqlens(cu, T)
     elif kwargs.get("position_ids") is not None:
-        docs = documents_from_positions(kwargs["position_ids"]).expand(B, T)
-        if not is_tracing(docs) and not bool((docs[:, -1] != 0).any()):
-            return None  # positions never restart: not packed, exactly as transformers decides
+        # transformers' own rule (a position that does not continue the previous one starts a document), so the
+        # two can never disagree; None: positions never restart, not packed.
+        docs = find_packed_sequence_indices(kwargs["position_ids"])
+        if docs is None:
+            return None
+        docs = docs.expand(B, T)
     else:
         return None
     kwargs = dict(kwargs)
