@@ -81,6 +81,7 @@ def _main(out_dir: str, micro: int) -> None:
         m = train(rank=rank, world=world, micro=micro, checkpointing=rank == 1, ddp=True)
         torch.save({"alpha_ma": alpha_ma(m)}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
+        dist.barrier()  # as train.distributed.teardown: no rank leaves while a peer finishes the last collective
         dist.destroy_process_group()
 
 

@@ -2,30 +2,17 @@
 activation checkpointing on one rank) x 2 micro-batches equal 1 process x 1 batch of the same tokens."""
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from stats_layout import alpha_ma, train
+from torchrun_helpers import torchrun
 
 HERE = Path(__file__).resolve().parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_ranks_two_micro_batches_equal_one_process_one_batch(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(HERE / "stats_layout.py"), str(tmp_path), "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
-    assert out.returncode == 0, f"{' '.join(cmd)}\n{out.stdout}\n{out.stderr}"
+    torchrun([str(HERE / "stats_layout.py"), str(tmp_path), "2"], pythonpath=[str(HERE.parent), str(HERE)])
     a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True)["alpha_ma"] for r in (0, 1))
     assert torch.equal(a, b)  # one integer all-reduce: the same bits on every rank
     ref = alpha_ma(train(micro=1))

@@ -3,27 +3,14 @@ batch and ends with identical alpha_ma on both ranks (about 20 s on 2 idle cores
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 
 from test_train_helpers import REPO, cli, read_records, sets, tiny  # noqa: F401  (fixture)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from torchrun_helpers import torchrun
 
 
 def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "affine_attention.cli", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, f"{' '.join(cmd)}\n{out.stdout}\n{out.stderr}"
-    return out
+    return torchrun(["-m", "affine_attention.cli", *args], pythonpath=[str(REPO)])
 
 
 def test_ddp_and_fsdp_follow_single_process(tiny, tmp_path):

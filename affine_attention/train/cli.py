@@ -56,10 +56,8 @@ def _train(args) -> int:
     from .loop import train
 
     out = _out_dir(args, cfg, "train")
-    try:
-        result = train(cfg, out, resume=args.resume, log=lambda m: print(m, file=sys.stderr, flush=True))
-    finally:
-        teardown()
+    result = train(cfg, out, resume=args.resume, log=lambda m: print(m, file=sys.stderr, flush=True))
+    teardown()  # only after a normal end (see teardown)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"run folder: {out}")
         for key in ("final_train_loss", "heldout_loss", "heldout_ppl", "tokens_per_s", "wall_time_s"):
@@ -77,10 +75,8 @@ def run_compare(args) -> tuple[str, bool]:
 
     cfg = load_config(args.config, args.overrides)
     out = _out_dir(args, cfg, "compare")
-    try:
-        compare(cfg, out, seeds=args.seeds, resume=args.resume, log=lambda m: print(m, file=sys.stderr, flush=True))
-    finally:
-        teardown()
+    compare(cfg, out, seeds=args.seeds, resume=args.resume, log=lambda m: print(m, file=sys.stderr, flush=True))
+    teardown()  # only after a normal end (see teardown)
     main = int(os.environ.get("RANK", "0")) == 0
     if main:
         print((__import__("pathlib").Path(out) / "summary.md").read_text())

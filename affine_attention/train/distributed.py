@@ -53,7 +53,14 @@ def setup(device_setting: str) -> DistInfo:
 
 
 def teardown() -> None:
+    """After a run that ended normally on this rank: wait for every rank, then destroy the process group.
+
+    The barrier keeps a rank from closing its connections while a peer still finishes the last collective (gloo
+    can then wait for the peer's data until its 30-minute timeout). Not for a run that raised: a peer may be inside
+    a collective this rank will never join, and destroying the group then deadlocks; exiting lets torchrun stop it.
+    """
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
