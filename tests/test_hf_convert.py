@@ -11,6 +11,7 @@ from transformers.masking_utils import sliding_window_causal_mask_function
 
 import affine_attention
 from affine_attention.hf.attention import X_KWARG, structured_mask
+from affine_attention.hf.presets import build_model
 from affine_attention.variants import variant_names
 
 
@@ -270,3 +271,15 @@ def test_convert_accepts_a_subclass_and_saves_a_checkpoint_of_the_family(tmp_pat
     assert type(loaded) is type(ref)
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("variant", variant_names())
+def test_converted_model_runs_on_the_meta_device(variant):
+    """Shape inference and FLOP counting run models on meta tensors: a converted model must do what the unconverted
+    one does there (forward and backward without data), not fail in its autocast check."""
+    model = build_model("tiny-llama", variant, device="meta")
+    ids = torch.zeros(2, 7, dtype=torch.long, device="meta")
+    logits = model(ids).logits
+    logits.sum().backward()
+    assert logits.shape == (2, 7, model.config.vocab_size) and logits.device.type == "meta"
+    assert all(p.grad is not None and p.grad.device.type == "meta" for p in model.parameters() if p.requires_grad)

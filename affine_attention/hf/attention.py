@@ -127,7 +127,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         raise ValueError(f"attention dropout ({dropout}) is not supported by affine_attention variants; set "
                          "`config.attention_dropout = 0.0`")
     device_type = query.device.type
-    if torch.is_autocast_enabled(device_type):
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):  # autocast knows no meta device
         # Under autocast RoPE hands back float32 q and k while v stays in the autocast dtype; run the op, like
         # SDPA under autocast, in the autocast dtype (its sums still accumulate in float32).
         dtype = torch.get_autocast_dtype(device_type)
