@@ -1,7 +1,7 @@
 """Mask normalisation: turns (attn_mask, is_causal) into a structured form the fast paths use without T x S tensors."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -29,9 +29,11 @@ class MaskSpec:
     window: int | None = None
     documents: Tensor | None = None
 
-    @property
-    def kinds(self) -> frozenset[str]:
-        """The mask kinds in force: a subset of {"causal", "keys", "window", "documents", "dense"}; a backend
+    # Read several times per op call (isolation, backend choice, the mean of V): computed once, at construction.
+    kinds: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        """kinds: the mask kinds in force, a subset of {"causal", "keys", "window", "documents", "dense"}; a backend
         declares which it handles. A causal rule that hides nothing (one query after its cache) is not listed."""
         kinds = set()
         if self.causal and not self.causal_is_trivial:
@@ -44,7 +46,7 @@ class MaskSpec:
             kinds.add("documents")
         if self.dense is not None:
             kinds.add("dense")
-        return frozenset(kinds)
+        object.__setattr__(self, "kinds", frozenset(kinds))
 
     @property
     def offset(self) -> int:
