@@ -75,3 +75,57 @@ def test_resume_refuses_a_changed_config_and_a_missing_run(tiny, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no checkpoint in"):
         train(cfg, tmp_path / "empty", resume=True, log=lambda m: None)
+
+
+def _killed_before_first_checkpoint(run):
+    """What a kill before the first checkpoint leaves: the log of the steps so far (an "end" record at most
+    later removed by the restart), no checkpoint, no result; plus the empty checkpoints/ a first save creates."""
+    import shutil
+
+    shutil.rmtree(run / "final")
+    (run / "result.json").unlink()
+    (run / "checkpoints").mkdir()
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 9, "lo')  # a line cut by the kill
+
+
+def test_resume_before_the_first_checkpoint_starts_over_and_keeps_the_partial_log(tiny, tmp_path):
+    from affine_attention.train.config import load_config
+    from affine_attention.train.loop import train
+
+    cfg = load_config("tiny", tiny + ["train.steps=3", "variant.name='affine'", "train.eval_every=3"])
+    ref = train(cfg, tmp_path / "ref", log=lambda m: None)
+    train(cfg, tmp_path / "run", log=lambda m: None)
+    run = tmp_path / "run"
+    _killed_before_first_checkpoint(run)
+    partial = (run / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match=r"different config \(optim.lr: checkpoint 0.003, now 0.5\)"):
+        train(load_config("tiny", tiny + ["train.steps=3", "variant.name='affine'", "train.eval_every=3",
+                                          "optim.lr=0.5"]), run, resume=True, log=lambda m: None)
+    said = []
+    got = train(cfg, run, resume=True, log=said.append)
+    assert any("has no checkpoint yet" in m and "metrics.restart-1.jsonl" in m for m in said), said
+    assert (run / "metrics.restart-1.jsonl").read_text() == partial  # nothing written before is lost
+    assert _losses(run / "metrics.jsonl") == _losses(tmp_path / "ref" / "metrics.jsonl")
+    assert got["heldout_loss"] == ref["heldout_loss"] and (run / "final").is_dir()
+    assert len(read_records(run / "metrics.jsonl", "config")) == 1
+
+    # A second restart keeps both partial logs.
+    _killed_before_first_checkpoint(run)
+    train(cfg, run, resume=True, log=lambda m: None)
+    assert (run / "metrics.restart-1.jsonl").read_text() == partial and (run / "metrics.restart-2.jsonl").is_file()
+
+
+def test_compare_resume_restarts_a_sub_run_killed_before_its_first_checkpoint(tiny, tmp_path):
+    from affine_attention.train.compare import compare
+    from affine_attention.train.config import load_config
+
+    cfg = load_config("tiny", tiny + ["train.steps=2", "compare.variants=['softmax', 'affine']"])
+    first = compare(cfg, tmp_path / "cmp", seeds=1, log=lambda m: None)
+    _killed_before_first_checkpoint(tmp_path / "cmp" / "affine" / "seed0")
+    said = []
+    again = compare(cfg, tmp_path / "cmp", seeds=1, resume=True, log=said.append)
+    assert any("softmax seed 0: already done" in m for m in said)
+    assert any("has no checkpoint yet" in m for m in said)
+    for v in ("softmax", "affine"):
+        assert again["variants"][v]["heldout_loss"] == first["variants"][v]["heldout_loss"]

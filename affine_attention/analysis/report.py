@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .._environment import hardware, versions
+from .._files import atomic_write_json
 from .._numbers import mean_std as _mean_std
 from ..text.read import json_lines
 from ..variants import REFERENCE as BASELINE
@@ -430,9 +431,7 @@ def _record_claims(run_dir: Path, summary: dict, claims: dict) -> None:
     path = run_dir / "summary.json"
     if not path.is_file():
         return
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({**summary, "claims": claims}, indent=2))
-    tmp.replace(path)
+    atomic_write_json(path, {**summary, "claims": claims})
 
 
 def _heldout_texts(cfg: dict) -> tuple[list[str], str]:

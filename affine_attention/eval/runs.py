@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from .._files import atomic_write_json
 from .harness import FIXTURE_TASKS, expand_tasks
 from .harness import check_tasks as harness_check_tasks
 
@@ -29,12 +30,6 @@ def check_tasks(tasks: str, include_path: list[str] | None = None) -> list[str]:
                          "Use --tasks paper (needs the Hub or a datasets cache) or your own task files with "
                          "--include-path DIR")
     return harness_check_tasks(names, include_path)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
 
 
 def evaluate_run(run_dir: str | Path, tasks: str, *, include_path: list[str] | None = None, batch_size: int = 8,
@@ -59,7 +54,7 @@ def evaluate_run(run_dir: str | Path, tasks: str, *, include_path: list[str] | N
         out.setdefault(variant, {})[seed] = acc
         result_path = final.parent / "result.json"
         result = json.loads(result_path.read_text()) if result_path.is_file() else {}
-        _write_json(result_path, {**result, "zero_shot": acc, "zero_shot_limit": limit})
+        atomic_write_json(result_path, {**result, "zero_shot": acc, "zero_shot_limit": limit})
     summary_path = run_dir / "summary.json"
     if summary_path.is_file() and out:
         summary = json.loads(summary_path.read_text())
@@ -68,7 +63,7 @@ def evaluate_run(run_dir: str | Path, tasks: str, *, include_path: list[str] | N
             if entry is not None:
                 entry["zero_shot"] = _per_task(seeds)
         summary["zero_shot"] = {"tasks": names, "metric": METRIC, "limit": limit}
-        _write_json(summary_path, summary)
+        atomic_write_json(summary_path, summary)
     return out
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .._environment import hardware, versions
+from .._files import atomic_write_json, atomic_write_text
 from .._numbers import mean_std
 from ..variants import REFERENCE
 from .config import RunConfig, config_json
@@ -101,10 +102,10 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, re
     summary = {"variants": summarize(results), "seeds": seeds, "total_wall_time_s": time.time() - t0,
                "config": cfg.to_dict(), "hardware": hardware(), "versions": versions()}
     if info.is_main:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write_json(out_dir / "summary.json", summary)
         masking = ("per document (data.document_mask = true)" if cfg.data.document_mask
                    else "across document boundaries (data.document_mask = false)")
-        (out_dir / "summary.md").write_text(markdown(summary["variants"], f"compare: {out_dir.name}") +
+        atomic_write_text(out_dir / "summary.md", markdown(summary["variants"], f"compare: {out_dir.name}") +
                                             f"\nAttention in packed rows: {masking}; tokens/s are measured so.\n"
                                             f"\nTotal wall time: {summary['total_wall_time_s']:.0f} s.\n")
     return summary

@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .._files import atomic_write_json
 from . import checkpoint as ckpt
 from .config import RunConfig
 from .kd import ce_loss
@@ -28,7 +30,7 @@ from .packing import model_inputs
 from .distributed import DistInfo, accumulation, all_equal, all_reduce_sum, barrier, full_state, load_full_state, \
     setup, wrap
 from .metrics import MetricsLog, Progress, TokenStats, heldout_loss, qk_logit_probe, running_buffers, \
-    state_per_head, state_per_layer, sum_dtype
+    read_log, state_per_head, state_per_layer, sum_dtype
 
 # What a run writes into its folder: a new run refuses a folder holding any of them (nothing is replaced silently).
 RUN_FILES = ("metrics.jsonl", "result.json", "final", "checkpoints")
@@ -177,12 +179,44 @@ class Trainer:
             raise ValueError(f"{self.out_dir} already holds a run ({', '.join(held)}); pass --resume to continue it "
                              "or choose another --out")
         barrier(self.info)
-        tc, dc = self.tc, self.dc
+        dc = self.dc
         self.metrics.write({"kind": "config", "config": self.cfg.to_dict(), "variant": self.variant,
                             "variant_options": self.options, "params": self.n_params, "world_size": self.info.world,
                             "tokens_per_step": self.tokens_per_step,
                             "precision": "bf16 autocast" if self.bf16 else "fp32", "device": str(self.info.device),
                             "tokenizer": self.tok_spec, "separator": dc.separator or self.tok.eos_token})
+
+    def nothing_saved(self) -> bool:
+        """--resume of a run killed before its first checkpoint: its metrics.jsonl exists but no checkpoint does.
+        (An empty folder, or damaged checkpoints only, still fail in `resume_from_checkpoint`.)"""
+        if self.info.is_main:
+            ckpt.recover_partial(self.out_dir, log=self.say)
+        barrier(self.info)
+        return (self.out_dir / "metrics.jsonl").is_file() and not ckpt.candidates(self.out_dir)
+
+    def restart(self) -> None:
+        """Start over from step 0 a run that saved nothing before it was killed, with its config (checked as a
+        checkpoint's is); training is deterministic, so it takes the same steps. The partial log is kept beside
+        as metrics.restart-N.jsonl."""
+        log_path = self.out_dir / "metrics.jsonl"
+        logged = next((r for r in read_log(log_path) if r.get("kind") == "config"), None)
+        if logged is None:
+            raise ValueError(f"--resume: {log_path} holds no config record and there is no checkpoint, so this is "
+                             "not a run this trainer started; pass the --out of the run to continue")
+        _check_resume_config(logged["config"], self.cfg)
+        barrier(self.info)  # every rank has read the log before rank 0 moves it
+        if self.info.is_main:
+            n = 1
+            while (self.out_dir / f"metrics.restart-{n}.jsonl").exists():
+                n += 1
+            kept = self.out_dir / f"metrics.restart-{n}.jsonl"
+            os.replace(log_path, kept)
+            empty = self.out_dir / "checkpoints"
+            if empty.is_dir() and not any(empty.iterdir()):
+                empty.rmdir()
+            self.say(f"--resume: {self.out_dir} has no checkpoint yet (the run stopped before its first one), so it "
+                     f"starts over from step 0; the partial log is kept as {kept.name}")
+        self.start()
 
     def resume_from_checkpoint(self) -> None:
         """Restore weights, optimizer, RNG, data position and counters from the newest intact checkpoint."""
@@ -332,9 +366,7 @@ class Trainer:
         rank_diff = all_equal(torch.cat([b.flatten() for b in bufs]), info) if bufs else 0.0
         train_losses: list[float] = []
         if info.is_main:
-            train_losses = [json.loads(line)["loss"] for line in
-                            (self.out_dir / "metrics.jsonl").read_text().splitlines()
-                            if json.loads(line).get("kind") == "train"]
+            train_losses = [r["loss"] for r in read_log(self.out_dir / "metrics.jsonl") if r.get("kind") == "train"]
         window = max(1, round(FINAL_LOSS_WINDOW * tc.steps))
         tail = train_losses[-window:]
         result = {"variant": self.variant, "params": self.n_params, "steps": tc.steps, "world_size": info.world,
@@ -350,26 +382,18 @@ class Trainer:
                   "process_time_s": time.time() - self.t_start, "alpha_ma_max_rank_diff": rank_diff}
         self.metrics.write({"kind": "end", "step": tc.steps, **result})
         if info.is_main:
-            (self.out_dir / "result.json").write_text(json.dumps(result, indent=2))
+            atomic_write_json(self.out_dir / "result.json", result)  # compare --resume trusts it by its presence
         return result
 
     def _logged_eval(self, step: int) -> dict[str, Any] | None:
-        path = self.out_dir / "metrics.jsonl"
-        if not path.is_file():
-            return None
-        found = None
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by the kill
-            if rec.get("kind") == "eval" and rec.get("step") == step:
-                found = rec
-        return found
+        found = [r for r in read_log(self.out_dir / "metrics.jsonl") if r.get("kind") == "eval" and r.get("step") == step]
+        return found[-1] if found else None
 
     def run(self) -> dict[str, Any]:
         tc = self.tc
-        if self.resume:
+        if self.resume and self.nothing_saved():
+            self.restart()
+        elif self.resume:
             self.resume_from_checkpoint()
             if self.start_step >= tc.steps:
                 self.say(f"the run in {self.out_dir} is already complete ({self.start_step} steps)")

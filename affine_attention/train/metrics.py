@@ -42,6 +42,20 @@ def variant_modules(model: nn.Module) -> list[AttentionVariant]:
     return [m for m in model.modules() if isinstance(m, AttentionVariant)]
 
 
+def read_log(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (none if it is absent), skipping a last line cut by a kill."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
 class MetricsLog:
     """Append-only JSONL writer (rank 0); `truncate_after` drops records past a resumed step."""
 

@@ -21,14 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+from .._files import atomic_write_bytes
 
 
 class TeacherCache:
@@ -37,7 +30,7 @@ class TeacherCache:
         self.dir = Path(root).expanduser() / hashlib.sha256(blob.encode()).hexdigest()[:32]
         self.dir.mkdir(parents=True, exist_ok=True)
         if not (self.dir / "key.json").exists():
-            _atomic_write(self.dir / "key.json", json.dumps(key, indent=2, sort_keys=True).encode())
+            atomic_write_bytes(self.dir / "key.json", json.dumps(key, indent=2, sort_keys=True).encode())
         self.shard_sequences, self.rank = shard_sequences, rank
         self._index: dict[int, tuple[Path, int]] = {}
         self._handles: dict[Path, Any] = {}
@@ -108,4 +101,4 @@ class TeacherCache:
         return json.loads(path.read_text()) if path.is_file() else None
 
     def set_teacher_meta(self, meta: dict[str, Any]) -> None:
-        _atomic_write(self.dir / "teacher.json", json.dumps(meta, indent=2, sort_keys=True).encode())
+        atomic_write_bytes(self.dir / "teacher.json", json.dumps(meta, indent=2, sort_keys=True).encode())
