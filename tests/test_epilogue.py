@@ -71,6 +71,23 @@ def test_eager_epilogue_matches_autograd_of_the_formula(case):
                                                  impl="eager"), ops)
 
 
+@pytest.mark.parametrize("Hm", [4, 2, 1])
+@pytest.mark.parametrize("gate_shape", [None, (2, 4, 1, 6), (2, 4, 1, 1)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_one_decoding_query_without_grad_matches_the_formula(Hm, gate_shape, dtype):
+    """T = 1 with the mean given and nothing to differentiate: the decoding step's own short combine."""
+    o, a, am, m, g = (None if t is None else t.detach() for t in _operands(2, 4, Hm, 1, 1, 6, gate_shape))
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    with torch.no_grad():
+        out = epilogue(o.to(dtype), alpha=a.to(acc), alpha_ma=am.to(acc), v_mean=m.to(acc),
+                       gate=None if g is None else g.to(dtype), impl="eager")
+    ref = _formula(o.to(dtype).double(), a.to(acc).double(), am.to(acc).double(), m.to(acc).double(),
+                   None if g is None else g.to(dtype).double())
+    assert out.dtype == dtype and out.shape == (2, 4, 1, 6)
+    tol = 1e-12 if dtype == torch.float64 else 1e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
 def test_constant_float_gate_and_identity():
     o, a, am, m, _ = _operands(1, 2, 2, 3, 3, 4, None)
     torch.testing.assert_close(epilogue(o, alpha=a, alpha_ma=am, v_mean=m, gate=0.5), 0.5 * _formula(o, a, am, m, None))
