@@ -78,8 +78,8 @@ def test_resume_refuses_a_changed_config_and_a_missing_run(tiny, tmp_path):
 
 
 def _killed_before_first_checkpoint(run):
-    """What a kill before the first checkpoint leaves: the log of the steps so far (an "end" record at most
-    later removed by the restart), no checkpoint, no result; plus the empty checkpoints/ a first save creates."""
+    """Turn a finished run into what a kill before its first checkpoint leaves: its log with a last line cut
+    mid-write, no final/, no result.json, and the empty checkpoints/ folder a first save starts in."""
     import shutil
 
     shutil.rmtree(run / "final")

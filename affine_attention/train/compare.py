@@ -105,7 +105,8 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, re
         atomic_write_json(out_dir / "summary.json", summary)
         masking = ("per document (data.document_mask = true)" if cfg.data.document_mask
                    else "across document boundaries (data.document_mask = false)")
-        atomic_write_text(out_dir / "summary.md", markdown(summary["variants"], f"compare: {out_dir.name}") +
-                                            f"\nAttention in packed rows: {masking}; tokens/s are measured so.\n"
-                                            f"\nTotal wall time: {summary['total_wall_time_s']:.0f} s.\n")
+        atomic_write_text(out_dir / "summary.md",
+                          markdown(summary["variants"], f"compare: {out_dir.name}") +
+                          f"\nAttention in packed rows: {masking}; tokens/s are measured so.\n"
+                          f"\nTotal wall time: {summary['total_wall_time_s']:.0f} s.\n")
     return summary

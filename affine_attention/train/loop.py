@@ -216,6 +216,7 @@ class Trainer:
                 empty.rmdir()
             self.say(f"--resume: {self.out_dir} has no checkpoint yet (the run stopped before its first one), so it "
                      f"starts over from step 0; the partial log is kept as {kept.name}")
+        barrier(self.info)  # and no rank checks the folder (start) before the log is moved
         self.start()
 
     def resume_from_checkpoint(self) -> None:
@@ -386,7 +387,8 @@ class Trainer:
         return result
 
     def _logged_eval(self, step: int) -> dict[str, Any] | None:
-        found = [r for r in read_log(self.out_dir / "metrics.jsonl") if r.get("kind") == "eval" and r.get("step") == step]
+        found = [r for r in read_log(self.out_dir / "metrics.jsonl")
+                 if r.get("kind") == "eval" and r.get("step") == step]
         return found[-1] if found else None
 
     def run(self) -> dict[str, Any]:
