@@ -99,7 +99,7 @@ def test_resume_before_the_first_checkpoint_starts_over_and_keeps_the_partial_lo
     run = tmp_path / "run"
     _killed_before_first_checkpoint(run)
     partial = (run / "metrics.jsonl").read_text()
-    with pytest.raises(ValueError, match=r"different config \(optim.lr: checkpoint 0.003, now 0.5\)"):
+    with pytest.raises(ValueError, match=r"different config \(optim.lr: run log 0.003, now 0.5\)"):
         train(load_config("tiny", tiny + ["train.steps=3", "variant.name='affine'", "train.eval_every=3",
                                           "optim.lr=0.5"]), run, resume=True, log=lambda m: None)
     said = []

@@ -49,11 +49,11 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _check_resume_config(saved: dict, cfg: RunConfig) -> None:
+def _check_resume_config(saved: dict, cfg: RunConfig, where: str = "checkpoint") -> None:
     a, b = _flat(saved), _flat(cfg.to_dict())
     diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in RESUME_FREE_KEYS)
     if diff:
-        detail = "; ".join(f"{k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}" for k in diff[:8])
+        detail = "; ".join(f"{k}: {where} {a.get(k)!r}, now {b.get(k)!r}" for k in diff[:8])
         raise ValueError(f"--resume with a different config ({detail}); resume with the run's original config")
 
 
@@ -203,7 +203,7 @@ class Trainer:
         if logged is None:
             raise ValueError(f"--resume: {log_path} holds no config record and there is no checkpoint, so this is "
                              "not a run this trainer started; pass the --out of the run to continue")
-        _check_resume_config(logged["config"], self.cfg)
+        _check_resume_config(logged["config"], self.cfg, where="run log")
         barrier(self.info)  # every rank has read the log before rank 0 moves it
         if self.info.is_main:
             n = 1
