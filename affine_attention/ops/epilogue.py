@@ -212,18 +212,18 @@ class _eager:
         return y.addcmul_(b, m5)
 
     @staticmethod
-    def _one_query(out: Tensor, alpha: Tensor, alpha_ma: Tensor, m: Tensor) -> Tensor:
-        """The decoding step (T = 1, the mean given): y = alpha * (out - m) + alpha_ma * m in acc, (B, Hq, 1, D).
-
-        Every tensor call costs about a microsecond here, more than its arithmetic: out viewed per KV head group,
-        (B, Hm, G, D), lets m (B, Hm, 1, D) broadcast over the group as it is, and the form needs no
-        alpha_ma - alpha buffer. The same value as the general form up to rounding."""
-        B, Hq, _, D = out.shape
+    def _with_mean(out: Tensor, alpha: Tensor, alpha_ma: Tensor, m: Tensor, acc) -> Tensor:
+        """y = alpha * (out - m) + alpha_ma * m in acc as (B, Hq, T, D), for m the mean itself (not the sums): the
+        same value as a * out + (alpha_ma - a) * m up to rounding, with no (alpha_ma - a) buffer and one tensor
+        call fewer, which is what a decoding step (T = 1) pays for."""
+        B, Hq, T, D = out.shape
         Hm = m.shape[1]
         G = Hq // Hm
-        y = torch.sub(out.view(B, Hm, G, D), m)  # a fresh buffer in m's (accumulation) dtype
-        y.mul_(alpha.view(B, Hm, G, 1)).addcmul_(alpha_ma.reshape(Hm, G, 1), m)
-        return y.view(B, Hq, 1, D)
+        m5 = as_dtype(m, acc).unsqueeze(2)  # (B, Hm, 1, T|1, D)
+        y = torch.sub(out.reshape(B, Hm, G, T, D), m5)  # a fresh buffer in acc (m's dtype wins the promotion)
+        y.mul_(as_dtype(alpha, acc).reshape(B, Hm, G, T, 1))
+        y.addcmul_(as_dtype(alpha_ma, acc).reshape(1, Hm, G, 1, 1), m5)
+        return y.view(B, Hq, T, D)
 
     @staticmethod
     def forward(out, alpha, alpha_ma, m, gate, inv=None, m_owned=False):
@@ -231,13 +231,11 @@ class _eager:
         if alpha is None:
             return as_dtype(torch.mul(out, gate), out.dtype)
         acc = float_acc(out.dtype)
-        if inv is None and out.shape[2] == 1 and m.dtype == acc and out.is_contiguous() and alpha.is_contiguous():
-            y = _eager._one_query(out, alpha, alpha_ma, m)
-            if gate is not None:
-                y.mul_(gate)
-            return as_dtype(y, out.dtype)
-        a, b, m5 = _eager._coefficients(out, alpha, alpha_ma, m, inv, acc)
-        y = _eager._combine(out, a, b, m5, acc, m_owned).view(out.shape)
+        if inv is None:
+            y = _eager._with_mean(out, alpha, alpha_ma, m, acc)
+        else:  # the undivided sums: inv goes into m's per-row weight (alpha_ma - a) * inv
+            a, b, m5 = _eager._coefficients(out, alpha, alpha_ma, m, inv, acc)
+            y = _eager._combine(out, a, b, m5, acc, m_owned).view(out.shape)
         if gate is not None:
             y.mul_(gate)
         return as_dtype(y, out.dtype)
