@@ -42,7 +42,8 @@ def _compare(args) -> int:
     if args.tasks:
         from .eval.runs import check_tasks
 
-        check_tasks(args.tasks, args.include_path)  # before any training: a typo or a fixture task must not cost the whole run
+        # Before any training: a typo or a fixture task must not cost the whole run.
+        check_tasks(args.tasks, args.include_path)
     out, main = run_compare(args)
     if main and args.tasks:
         from .eval.runs import evaluate_run
