@@ -88,6 +88,19 @@ def test_one_decoding_query_without_grad_matches_the_formula(Hm, gate_shape, dty
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_alpha_equal_to_alpha_ma_returns_the_softmax_output_bit_for_bit(T, dtype):
+    """alpha == alpha_ma (a function-preserving retrofit) makes the bias weight exactly 0, so the output must be
+    out itself, not out - m + m rounded: 30 layers amplify that rounding to 1e-4 in the logits."""
+    o, a, am, m, _ = _operands(2, 4, 2, T, T, 6, None, dtype=torch.float32)
+    am = torch.full_like(am, 1.0)
+    a = torch.ones_like(a)
+    with torch.no_grad():
+        out = epilogue(o.to(dtype), alpha=a.detach(), alpha_ma=am, v_mean=m.detach() * 100, impl="eager")
+    assert torch.equal(out, o.detach().to(dtype))
+
+
 def test_constant_float_gate_and_identity():
     o, a, am, m, _ = _operands(1, 2, 2, 3, 3, 4, None)
     torch.testing.assert_close(epilogue(o, alpha=a, alpha_ma=am, v_mean=m, gate=0.5), 0.5 * _formula(o, a, am, m, None))

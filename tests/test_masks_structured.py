@@ -137,6 +137,27 @@ def test_documents_need_t_at_most_s():
         softmax_attention(q, k, k, document_ids=torch.zeros(1, 4, dtype=torch.long))
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_document_ids_are_checked_once_per_tensor_and_again_after_a_write(dtype, monkeypatch):
+    """Every layer of a packed forward passes the same ids: one check (a host sync) and one int64 tensor for all of
+    them; an in-place write to the ids (or to the tensor they view) is checked again, never trusted stale."""
+    import affine_attention.ops.masks as masks
+    monkeypatch.setattr(masks, "_DOCUMENTS", masks.TensorMemo(4))
+    calls = []
+    check = torch.Tensor.any
+    monkeypatch.setattr(torch.Tensor, "any", lambda self, *a, **k: calls.append(1) or check(self, *a, **k))
+    whole = torch.tensor([[0, 0, 1, 1, 2, 9], [0, 1, 1, 1, 1, 9]], dtype=dtype)
+    ids = whole[:, :5]  # a view, as a caller's slice of a packed buffer
+    parse = lambda: parse_mask(None, True, 2, 2, 5, 5, torch.device("cpu"), document_ids=ids).documents
+    first = parse()
+    assert first.dtype == torch.int64 and torch.equal(first, ids.long())
+    assert all(parse() is first for _ in range(3)) and len(calls) == 1
+    whole[0, 3] = 0  # through the base: row 0 is now 0, 0, 1, 0, 2
+    with pytest.raises(ValueError, match="non-decreasing"):
+        parse()
+    assert len(calls) == 2
+
+
 def test_key_mask_of_one_column_counts_every_key():
     """A (B, 1, 1, 1) key mask broadcasts over S: N_i counts S keys, not 1."""
     v = torch.randn(2, 1, 6, 3, dtype=torch.float64)

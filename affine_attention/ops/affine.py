@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ._validate import check_bias_norm, check_per_head, check_per_query, check_qkv, check_scale, check_v_mean
-from .backends import attention as kernel_attention
-from .epilogue import gate4, run_checked, select_impl
+from ._validate import check_per_head, check_per_query, check_v_mean
+from .backends import attention_on
+from .epilogue import gate4, run_checked
 from .isolate import isolate_nonfinite, poison_seen
-from .masks import parse_mask
+from .plan import plan
 from .value_mean import ValueMean
 
 
@@ -52,7 +52,11 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
     Masks, scale, bias_norm, backend and v_mean as affine_scaled_attention; epilogue_impl forces "eager" or
     "triton". Returns (B, Hq, T, D) in q's dtype.
     """
-    B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
+    # Checks and choices from the arguments alone, once per distinct call (plan.py).
+    p = plan(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, bias_norm=bias_norm,
+             enable_gqa=enable_gqa, window=window, document_ids=document_ids, backend=backend,
+             needs_lse=sinks is not None, epilogue_impl=epilogue_impl)
+    B, Hq, Hkv, T, _, D = p[:6]
     if (alpha is None) != (alpha_ma is None):
         raise ValueError("alpha (B, Hq, T) and alpha_ma (Hq,) come together (the affine part) or not at all")
     if alpha is not None:
@@ -62,17 +66,15 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
         raise ValueError("v_mean is the affine bias term's mean of V: it needs alpha and alpha_ma")
     if sinks is not None:
         check_per_head("sinks", sinks, Hq, q.device)
-    check_bias_norm(bias_norm)
-    scale = check_scale(scale, D)
-    mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device, window=window, document_ids=document_ids)
     if v_mean is not None:
         check_v_mean(v_mean, B, Hq, Hkv, T, D, q.device)
 
     # A non-finite key or value that the mask hides must reach no output (isolate.py).
+    mask = p.mask
     k, v, seen = isolate_nonfinite(k, v, mask, Hq)
-    out, _ = kernel_attention(q, k, v, mask, scale, sinks=sinks, backend=backend)
+    out, _ = attention_on(p.backend, q, k, v, mask, p.scale, sinks=sinks)
     # Every argument is checked above: the epilogue runs without checking them again (µs per decode step).
-    impl, g = select_impl(out.device, epilogue_impl), gate4(gate, out)
+    impl, g = p.epilogue, gate4(gate, out)
     if alpha is None:
         return poison_seen(run_checked(impl, out, None, None, g, None, None, None), seen)
     if v_mean is None:

@@ -35,6 +35,11 @@ def use_epilogue(impl: str | None):
     return _forced.use(impl)
 
 
+def forced_name() -> str | None:
+    """The implementation `use_epilogue` forces in this thread, or None."""
+    return _forced.current
+
+
 def select_impl(device: torch.device, impl: str | None = None) -> str:
     """The implementation that runs on `device`: the forced one, else triton on CUDA and eager elsewhere.
 
@@ -213,16 +218,16 @@ class _eager:
 
     @staticmethod
     def _with_mean(out: Tensor, alpha: Tensor, alpha_ma: Tensor, m: Tensor, acc) -> Tensor:
-        """y = alpha * (out - m) + alpha_ma * m in acc as (B, Hq, T, D), for m the mean itself (not the sums): the
-        same value as a * out + (alpha_ma - a) * m up to rounding, with no (alpha_ma - a) buffer and one tensor
-        call fewer, which is what a decoding step (T = 1) pays for."""
+        """y = a * out + (alpha_ma - a) * m in acc as (B, Hq, T, D), for m the mean itself (not the sums), in three
+        tensor calls, which is what a decoding step (T = 1) pays for. This form, not a * (out - m) + alpha_ma * m,
+        because it is exact where alpha == alpha_ma (a retrofitted model computes the pretrained one bit for bit):
+        the other rounds out - m + m, which 30 layers amplify to 1e-4 in the logits."""
         B, Hq, T, D = out.shape
         Hm = m.shape[1]
         G = Hq // Hm
-        m5 = as_dtype(m, acc).unsqueeze(2)  # (B, Hm, 1, T|1, D)
-        y = torch.sub(out.reshape(B, Hm, G, T, D), m5)  # a fresh buffer in acc (m's dtype wins the promotion)
-        y.mul_(as_dtype(alpha, acc).reshape(B, Hm, G, T, 1))
-        y.addcmul_(as_dtype(alpha_ma, acc).reshape(1, Hm, G, 1, 1), m5)
+        a = as_dtype(alpha, acc).reshape(B, Hm, G, T, 1)
+        y = torch.mul(out.reshape(B, Hm, G, T, D), a)  # a fresh buffer in acc (a's dtype wins the promotion)
+        y.addcmul_(as_dtype(alpha_ma, acc).reshape(1, Hm, G, 1, 1) - a, as_dtype(m, acc).unsqueeze(2))
         return y.view(B, Hq, T, D)
 
     @staticmethod

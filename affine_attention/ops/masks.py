@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ._memo import MISS, TensorMemo
+
 
 @dataclass(frozen=True)
 class MaskSpec:
@@ -147,10 +149,20 @@ def _check_documents(document_ids, B: int, T: int, S: int, device: torch.device)
                          f"and S = {S}")
     if document_ids.device != device:
         raise ValueError(f"document_ids is on {document_ids.device} but q is on {device}")
-    if S > 1 and not torch.compiler.is_compiling() and bool((document_ids[:, 1:] < document_ids[:, :-1]).any()):
+    if torch.compiler.is_compiling():
+        return document_ids.long()
+    checked = _DOCUMENTS.get(document_ids)
+    if checked is not MISS:
+        return checked
+    if S > 1 and bool((document_ids[:, 1:] < document_ids[:, :-1]).any()):
         raise ValueError("document_ids must be non-decreasing along each row (packed documents one after another); "
                          "for other patterns pass a boolean attn_mask")
-    return document_ids.long()
+    # The same int64 tensor for every layer, so that per-mask plans downstream (cuda_flash) hit their memo too.
+    return _DOCUMENTS.put(document_ids, document_ids.long())
+
+
+# Every layer of a packed forward passes the same document ids: their check (a host sync) runs once per forward.
+_DOCUMENTS = TensorMemo(4)
 
 
 def parse_mask(attn_mask: Tensor | None, is_causal: bool, B: int, Hq: int, T: int, S: int,

@@ -42,6 +42,11 @@ def use_backend(name: str | None):
     return _forced.use(name)
 
 
+def forced_name() -> str | None:
+    """The backend `use_backend` forces in this thread, or None."""
+    return _forced.current
+
+
 def select(call: Call, backend: str | None = None) -> Backend:
     """The backend that serves `call`: the forced one (ValueError if it cannot), else the first that accepts."""
     name = backend if backend is not None else _forced.current
@@ -68,7 +73,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float, *, 
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D); sinks: (Hq,) or None. Returns (out (B, Hq, T, D) in q.dtype,
     lse (B, Hq, T) float32 of the plain softmax, or None when the chosen backend has none).
     """
-    chosen = select(Call.of(q, k, mask, needs_lse=sinks is not None), backend)
+    return attention_on(select(Call.of(q, k, mask, needs_lse=sinks is not None), backend), q, k, v, mask, scale,
+                        sinks=sinks)
+
+
+def attention_on(chosen: Backend, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float, *,
+                 sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """`attention` on a backend already chosen for this call (see ops/plan.py); layouts as `attention`."""
     if not chosen.has_lse:
         return chosen.attention(q, k, v, mask, scale), None
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
@@ -78,5 +89,5 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float, *, 
     return KernelAttention.apply(chosen, q, k, v, sinks, mask, scale)
 
 
-__all__ = ["BACKENDS", "Backend", "Call", "KernelAttention", "attention", "backend_names", "get_backend",
-           "select", "use_backend"]
+__all__ = ["BACKENDS", "Backend", "Call", "KernelAttention", "attention", "attention_on", "backend_names",
+           "forced_name", "get_backend", "select", "use_backend"]

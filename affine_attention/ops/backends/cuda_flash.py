@@ -7,14 +7,13 @@ lengths), so no T x S mask is ever built. Never goes through cuDNN (NaN-gradient
 from __future__ import annotations
 
 import functools
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..._compat import float_acc
+from .._memo import MISS, TensorMemo
 from ..masks import MaskSpec
 from .base import Backend, Call
 
@@ -146,8 +145,7 @@ def _document_parts(mask: MaskSpec, B: int) -> list[Part]:
 
 
 # A few recent plans, keyed by the mask tensor (alive, same version) and shapes: every layer of a model shares one.
-_PLANS: OrderedDict = OrderedDict()
-_PLAN_CACHE_SIZE = 8
+_PLANS = TensorMemo(8)
 
 
 def plan(mask: MaskSpec, B: int) -> tuple[list[Part] | None, str | None]:
@@ -159,27 +157,16 @@ def plan(mask: MaskSpec, B: int) -> tuple[list[Part] | None, str | None]:
     source = mask.documents if mask.documents is not None else mask.keys
     if source.device.type == "meta":
         return None, "a mask on the meta device cannot be planned (its values are unknown)"
-    # parse_mask hands every layer a new view of the caller's mask: key on the tensor it views.
-    base = source if source._base is None else source._base
-    try:
-        key = (id(base), base._version, source.storage_offset(), source.shape, source.stride(), B, mask.T, mask.S,
-               mask.causal, mask.window)
-    except RuntimeError:  # inference tensors have no version counter: plan without caching
-        key = None
-    hit = _PLANS.get(key) if key is not None else None
-    if hit is not None and hit[0]() is base:
-        _PLANS.move_to_end(key)
-        return hit[1]
+    extra = (B, mask.T, mask.S, mask.causal, mask.window)
+    hit = _PLANS.get(source, *extra)
+    if hit is not MISS:
+        return hit
     if mask.documents is not None:
         result = (_document_parts(mask, B), None)
     else:
         parts, reason = _key_padding_parts(mask, B)
         result = (None, reason) if reason else (parts, None)
-    if key is not None:
-        _PLANS[key] = (weakref.ref(base), result)
-        while len(_PLANS) > _PLAN_CACHE_SIZE:
-            _PLANS.popitem(last=False)
-    return result
+    return _PLANS.put(source, result, *extra)
 
 
 def _bthd(x: Tensor) -> Tensor:
