@@ -9,6 +9,10 @@ The cache is filled with random keys/values of the requested length (decode cost
 content), so no long prefill is timed or needed. Before each timed run the cache is cropped back to that length
 and one untimed step resynchronises the affine running value sum (a crop invalidates it, by design), then `steps`
 greedy tokens are timed. "hf-sdpa" (the unconverted model with transformers' SDPA attention) is the baseline.
+
+--compile times what GPU users deploy instead: every model, the baseline included, under
+torch.compile(fullgraph=True) with a transformers StaticCache (fixed shapes, so one graph per cache length); the
+cache is reset and refilled with the same keys and values before each timed run.
 """
 from __future__ import annotations
 
@@ -30,35 +34,53 @@ from affine_attention.variants import variant_names  # noqa: E402
 
 
 class Decoder:
-    """One model with its own synthetic cache of `length` positions; `run()` times `steps` greedy tokens."""
+    """One model with its own synthetic cache of `length` positions; `run()` times `steps` greedy tokens.
 
-    def __init__(self, model, length: int, steps: int, seed: int = 0):
-        from transformers import DynamicCache
+    compiled: a StaticCache of length + steps + 1 positions and the model under torch.compile(fullgraph=True)."""
 
-        self.model, self.length, self.steps = model, length, steps
+    def __init__(self, model, length: int, steps: int, seed: int = 0, compiled: bool = False):
+        from transformers import DynamicCache, StaticCache
+
+        self.length, self.steps, self.compiled = length, steps, compiled
         cfg, self.device = model.config, model.device
         gen = torch.Generator().manual_seed(seed)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.cache = DynamicCache(config=cfg)
-        for i in range(cfg.num_hidden_layers):  # (B=1, Hkv, length, D) per layer
-            shape = (1, cfg.num_key_value_heads, length, head_dim)
-            k, v = (torch.randn(shape, generator=gen).to(self.device, model.dtype) for _ in range(2))
-            self.cache.update(k, v, i)
+        shape = (1, cfg.num_key_value_heads, length, head_dim)  # (B=1, Hkv, length, D) per layer
+        self.kv = [tuple(torch.randn(shape, generator=gen).to(self.device, model.dtype) for _ in range(2))
+                   for _ in range(cfg.num_hidden_layers)]
+        if compiled:
+            self.cache = StaticCache(config=cfg, max_cache_len=length + steps + 1)
+            self.model = torch.compile(model, fullgraph=True)
+        else:
+            self.cache, self.model = DynamicCache(config=cfg), model
+        self._fill()
         self.token = torch.tensor([[1]], device=self.device)
+
+    def _fill(self):
+        """The cache back to the `length` synthetic positions (a static cache cannot be cropped: reset, refill)."""
+        if not self.compiled and self.cache.get_seq_length():
+            extra = self.cache.get_seq_length() - self.length
+            if extra:
+                self.cache.crop(-extra)
+        else:
+            if self.compiled:
+                self.cache.reset()
+            for i, (k, v) in enumerate(self.kv):
+                self.cache.update(k, v, i)
+        self.pos = self.length
 
     def _sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
     def _step(self):
-        pos = torch.tensor([[self.cache.get_seq_length()]], device=self.device)
+        pos = torch.tensor([[self.pos]], device=self.device)
         logits = self.model(self.token, position_ids=pos, cache=self.cache, use_cache=True).logits
         self.token = logits[:, -1:].argmax(-1)
+        self.pos += 1
 
     def run(self) -> float:
-        extra = self.cache.get_seq_length() - self.length
-        if extra:
-            self.cache.crop(-extra)
+        self._fill()
         self._step()  # untimed: rebuilds what the crop invalidated
         self._sync()
         t0 = time.perf_counter()
@@ -69,18 +91,23 @@ class Decoder:
 
 
 def bench(preset: str, lengths: list[int], repeats: int, steps: int, device: str = "cpu", dtype=None,
-          seed: int = 0, variants: list[str] | None = None) -> dict[int, dict[str, list[float]]]:
+          seed: int = 0, variants: list[str] | None = None,
+          compiled: bool = False) -> dict[int, dict[str, list[float]]]:
     torch.manual_seed(seed)
     base = build_model(preset, device=device, dtype=dtype).eval()
     models = {"hf-sdpa": base}
     for name in variants or variant_names():
         models[name] = affine_attention.convert(copy.deepcopy(base), name).eval()
+    if compiled:
+        # One code object (the model class's forward) compiles once per model and cache length: more than dynamo's
+        # default recompile limit of 8.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(models) * len(lengths))
     rng = random.Random(seed)
     results = {}
     with torch.inference_mode():
         for length in lengths:
-            decoders = {name: Decoder(m, length, steps, seed) for name, m in models.items()}
-            for d in decoders.values():  # warm up every path once
+            decoders = {name: Decoder(m, length, steps, seed, compiled) for name, m in models.items()}
+            for d in decoders.values():  # warm up every path once (and compile it)
                 d.run()
             times = {name: [] for name in decoders}
             for _ in range(repeats):
@@ -122,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--variants", nargs="+", choices=variant_names(), help="variants to time (default: all)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--compile", action="store_true",
+                   help="every model under torch.compile(fullgraph=True) with a StaticCache (default: eager, dynamic)")
     args = p.parse_args(argv)
     lengths = args.lengths or ([256, 1024] if args.quick else [256 * 2 ** i for i in range(6)])
     repeats = args.repeats or (5 if args.quick else 15)
@@ -129,10 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     results = bench(args.preset, lengths, repeats, steps, args.device, getattr(torch, args.dtype),
-                    variants=args.variants)
+                    variants=args.variants, compiled=args.compile)
     where = f"CPU threads {torch.get_num_threads()}" if args.device == "cpu" else args.device
     layers = build_model(args.preset).config.num_hidden_layers
-    print(f"Cached greedy decoding, preset {args.preset} ({layers} layers), {args.dtype}, batch 1, {where}: "
+    mode = "torch.compile(fullgraph=True) with a StaticCache" if args.compile else "eager with a DynamicCache"
+    print(f"Cached greedy decoding, preset {args.preset} ({layers} layers), {args.dtype}, batch 1, {where}, {mode}: "
           f"per-token latency as a ratio to the unconverted transformers 'sdpa' model, and in parentheses the "
           f"extra time per layer (medians of {repeats} paired repeats, {steps} tokens each).\n")
     print(table(results, layers))

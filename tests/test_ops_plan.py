@@ -1,5 +1,7 @@
 """The per-call plan memo (ops/plan.py): repeated calls reuse one plan, and nothing a remembered plan skips can go
 stale or let a bad argument through: changed masks, forced backends, grad mode, argument types."""
+from collections import OrderedDict
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from affine_attention.ops.backends import use_backend
 @pytest.fixture
 def counted(monkeypatch):
     """Fresh memos, and the number of plans actually made."""
-    monkeypatch.setattr(plan_mod, "_SHAPE_PLANS", {})
+    monkeypatch.setattr(plan_mod, "_SHAPE_PLANS", OrderedDict())
     monkeypatch.setattr(plan_mod, "_TENSOR_PLANS", plan_mod.TensorMemo(8))
     made = []
     make = plan_mod.make_plan
@@ -111,3 +113,13 @@ def test_forcing_a_backend_or_grad_mode_makes_a_new_plan(counted):
     q.requires_grad_()
     softmax_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
     assert len(counted) == 3 and q.grad is not None
+
+
+def test_decoding_keeps_only_the_most_recent_plans(counted):
+    """A new cache length every step: the memo stays bounded, the oldest plans go first."""
+    for S in range(3, 3 + 3 * plan_mod._SIZE):
+        q, k, v = _qkv(S=S)
+        softmax_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert len(plan_mod._SHAPE_PLANS) == plan_mod._SIZE
+    kept = sorted(key[1][2] for key in plan_mod._SHAPE_PLANS)  # k.shape's S
+    assert kept == list(range(3 + 2 * plan_mod._SIZE, 3 + 3 * plan_mod._SIZE))

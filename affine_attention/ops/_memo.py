@@ -36,7 +36,10 @@ class TensorMemo:
         hit = self._entries.get(key) if key is not None else None
         if hit is None or hit[0]() is not base:
             return MISS
-        self._entries.move_to_end(key)
+        try:
+            self._entries.move_to_end(key)
+        except KeyError:  # evicted by another thread meanwhile: the result is still right
+            pass
         return hit[1]
 
     def put(self, t: Tensor, value: Any, *extra) -> Any:
@@ -44,7 +47,10 @@ class TensorMemo:
         if key is not None:
             self._entries[key] = (weakref.ref(base), value)
             while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
+                try:
+                    self._entries.popitem(last=False)
+                except KeyError:  # emptied by another thread meanwhile
+                    break
         return value
 
     def clear(self) -> None:

@@ -3,6 +3,7 @@ epilogue implementation), decided once per distinct call: every layer of a model
 decoding step checks and chooses once per forward, not once per layer."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
@@ -45,7 +46,7 @@ def make_plan(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None, is_c
 # Calls without mask tensors, keyed by everything make_plan reads; calls with a small mask tensor (a key mask or
 # document ids, both O(B * S)) through TensorMemo, which also keys on that tensor's identity and version. Dense
 # masks are never kept: the plan holds its mask, and a (B, 1, T, S) one can be large.
-_SHAPE_PLANS: dict = {}
+_SHAPE_PLANS: OrderedDict = OrderedDict()
 _TENSOR_PLANS = TensorMemo(8)
 _SIZE = 8
 
@@ -79,7 +80,10 @@ def plan(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None, is_causal
         return _TENSOR_PLANS.put(tensor, result, *key)
     _SHAPE_PLANS[key] = result
     if len(_SHAPE_PLANS) > _SIZE:
-        del _SHAPE_PLANS[next(iter(_SHAPE_PLANS))]  # the oldest: decoding makes a new S every step
+        try:  # the oldest: decoding makes a new S every step (one C call: another thread may evict too)
+            _SHAPE_PLANS.popitem(last=False)
+        except KeyError:
+            pass
     return result
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._files import atomic_write_text
 from ..ops.logits import visible_logit_sums
 from ..variants import AttentionVariant
 from ..variants.running_stats import recomputing
@@ -63,20 +64,11 @@ class MetricsLog:
         self.path, self.enabled = Path(path), enabled
 
     def truncate_after(self, step: int) -> None:
+        """Drop the records past `step` (and an end record), rewriting the log atomically."""
         if not self.enabled or not self.path.exists():
             return
-        keep = []
-        for line in self.path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by the kill
-            if rec.get("kind") == "end" or rec.get("step", -1) > step:
-                continue
-            keep.append(line)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        tmp.replace(self.path)
+        keep = [r for r in read_log(self.path) if r.get("kind") != "end" and r.get("step", -1) <= step]
+        atomic_write_text(self.path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in keep))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
