@@ -75,7 +75,7 @@ def test_eager_epilogue_matches_autograd_of_the_formula(case):
 @pytest.mark.parametrize("gate_shape", [None, (2, 4, 1, 6), (2, 4, 1, 1)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_one_decoding_query_without_grad_matches_the_formula(Hm, gate_shape, dtype):
-    """T = 1 with the mean given and nothing to differentiate (a decoding step): the mean-given combine."""
+    """T = 1 with the mean given and nothing to differentiate (a decoding step): the forward without autograd."""
     o, a, am, m, g = (None if t is None else t.detach() for t in _operands(2, 4, Hm, 1, 1, 6, gate_shape))
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     with torch.no_grad():

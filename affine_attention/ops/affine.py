@@ -56,7 +56,8 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
     p = plan(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, bias_norm=bias_norm,
              enable_gqa=enable_gqa, window=window, document_ids=document_ids, backend=backend,
              needs_lse=sinks is not None, epilogue_impl=epilogue_impl)
-    B, Hq, Hkv, T, _, D = p[:6]
+    c = p.call
+    B, Hq, Hkv, T, D = c.B, c.Hq, c.Hkv, c.T, c.D
     if (alpha is None) != (alpha_ma is None):
         raise ValueError("alpha (B, Hq, T) and alpha_ma (Hq,) come together (the affine part) or not at all")
     if alpha is not None:
@@ -70,7 +71,7 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
         check_v_mean(v_mean, B, Hq, Hkv, T, D, q.device)
 
     # A non-finite key or value that the mask hides must reach no output (isolate.py).
-    mask = p.mask
+    mask = c.mask
     k, v, seen = isolate_nonfinite(k, v, mask, Hq)
     out, _ = attention_on(p.backend, q, k, v, mask, p.scale, sinks=sinks)
     # Every argument is checked above: the epilogue runs without checking them again (µs per decode step).

@@ -13,20 +13,15 @@ from . import backends, epilogue
 from ._memo import MISS, TensorMemo
 from ._validate import check_bias_norm, check_qkv, check_scale
 from .backends import Backend, Call
-from .masks import MaskSpec, parse_mask
+from .masks import parse_mask
 
 
 class Plan(NamedTuple):
-    """The call's sizes (q: (B, Hq, T, D), k and v: (B, Hkv, S, D)), its scale, mask, backend and epilogue."""
+    """The call as the backends see it (its sizes, dtype, device and parsed mask), its scale, and the kernel backend
+    and epilogue implementation chosen for it."""
 
-    B: int
-    Hq: int
-    Hkv: int
-    T: int
-    S: int
-    D: int
+    call: Call
     scale: float
-    mask: MaskSpec
     backend: Backend
     epilogue: str
 
@@ -35,12 +30,12 @@ def make_plan(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None, is_c
               bias_norm: str, enable_gqa: bool, window: int | None, document_ids: Tensor | None,
               backend: str | None, needs_lse: bool, epilogue_impl: str | None) -> Plan:
     """Check the arguments (ValueError naming the bad one) and decide; arguments as `attention_with_epilogue`."""
-    B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
+    B, Hq, _, T, S, D = check_qkv(q, k, v, enable_gqa)
     check_bias_norm(bias_norm)
     scale = check_scale(scale, D)
     mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device, window=window, document_ids=document_ids)
-    chosen = backends.select(Call.of(q, k, mask, needs_lse), backend)
-    return Plan(B, Hq, Hkv, T, S, D, scale, mask, chosen, epilogue.select_impl(q.device, epilogue_impl))
+    call = Call.of(q, k, mask, needs_lse)
+    return Plan(call, scale, backends.select(call, backend), epilogue.select_impl(q.device, epilogue_impl))
 
 
 # Calls without mask tensors, keyed by everything make_plan reads; calls with a small mask tensor (a key mask or
