@@ -97,7 +97,7 @@ def model_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p,
         do, o = _take(dout, wq), _take(out, wq)
         delta = (do * o).sum(-1).t()  # (H, Lq)
         ds = p * (torch.einsum("thd,shd->hts", do, vs.repeat_interleave(G, dim=1)) - delta[..., None])
-        group = (lambda x: x.view(x.shape[0], ks.shape[1], G, -1).sum(2))  # noqa: E731
+        group = (lambda x: x.view(x.shape[0], ks.shape[1], G, x.shape[-1]).sum(2))  # noqa: E731
         g_q = torch.einsum("hts,shd->thd", ds, kr) * scale
         g_q = g_q.masked_fill(torch.isinf(ls).t()[..., None], GARBAGE)
         g_k = group(torch.einsum("hts,thd->shd", ds, qs) * scale)
@@ -119,7 +119,6 @@ def cpu_model(monkeypatch):
     supports = cuda_flash.CudaFlashBackend.supports
     monkeypatch.setattr(cuda_flash.CudaFlashBackend, "supports", lambda self, call: supports(
         self, call._replace(device_type="cuda", dtype=torch.bfloat16)))
-    cuda_flash._PLANS.clear()
 
 
 # --- masks used everywhere below: (name, kwargs builder(B, T, S) -> dict of op keyword arguments) ---
@@ -408,17 +407,16 @@ def test_cuda_empty_rows_and_lse_guard():
         assert_low_precision_close(a, b, c, label)
 
 
-def test_plan_cache_follows_the_callers_mask():
-    """Layers share one plan of the caller's mask (parse_mask gives each a new view); an in-place change replans;
-    inference tensors (no version counter) plan without the cache."""
-    cuda_flash._PLANS.clear()
+def test_plan_is_derived_once_per_mask_object():
+    """Every layer of a forward shares one MaskSpec (built at the seam): its varlen parts are derived once on it;
+    another mask object (the next forward) plans again, so a mask changed in place between forwards is replanned."""
     keys = _keys(2, 16, [(3, 16)])
-    first = cuda_flash.plan(parse_mask(keys, True, 2, 4, 16, 16, torch.device("cpu")), 2)
-    again = cuda_flash.plan(parse_mask(keys, True, 2, 4, 16, 16, torch.device("cpu")), 2)
-    assert again is first and len(cuda_flash._PLANS) == 1
+    mask = parse_mask(keys, True, 2, 4, 16, 16, torch.device("cpu"))
+    first = cuda_flash.plan(mask, 2, 4, 2)
+    assert cuda_flash.plan(mask, 2, 4, 2) is first
     keys[1, ..., 5] = False  # row 1 no longer contiguous
-    assert "contiguous" in cuda_flash.plan(parse_mask(keys, True, 2, 4, 16, 16, torch.device("cpu")), 2)[1]
+    assert "contiguous" in cuda_flash.reason(parse_mask(keys, True, 2, 4, 16, 16, torch.device("cpu")), 2)
     with torch.inference_mode():
         docs = _docs(2, 16, [[4]])
-        parts, reason = cuda_flash.plan(parse_mask(None, True, 2, 4, 16, 16, torch.device("cpu"), document_ids=docs), 2)
-    assert reason is None and parts[0].cu_q.tolist() == [0, 4, 16, 20, 32]
+        parts = cuda_flash.plan(parse_mask(None, True, 2, 4, 16, 16, torch.device("cpu"), document_ids=docs), 2, 4, 2)
+    assert parts[0].cu_q.tolist() == [0, 4, 16, 20, 32]

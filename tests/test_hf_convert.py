@@ -71,27 +71,38 @@ def test_conversion_errors():
         affine_attention.convert(tiny("llama", attention_dropout=0.1), "affine")
 
 
-def _record_masks(model):
-    """Collect (attn_mask shape or None, is_causal) of every variant call."""
+def _record_masks(model, objects=None):
+    """Collect (key mask shape or None, causal, dense mask or None) of the MaskSpec of every variant call (and the
+    MaskSpec objects themselves in `objects`)."""
     seen = []
+
+    def hook(mod, a, kw):
+        m = kw["mask"]
+        seen.append((None if m.keys is None else tuple(m.keys.shape), m.causal, m.dense))
+        if objects is not None:
+            objects.append(m)
     for m in model.modules():
         if m.__class__.__module__.startswith("affine_attention.variants"):
-            m.register_forward_pre_hook(lambda mod, a, kw: seen.append(
-                (None if kw["attn_mask"] is None else tuple(kw["attn_mask"].shape), kw["is_causal"])), with_kwargs=True)
+            m.register_forward_pre_hook(hook, with_kwargs=True)
     return seen
 
 
-def test_masks_stay_structured():
+def test_masks_stay_structured_and_are_parsed_once_per_forward():
+    """The seam hands every layer one parsed mask per forward (its checks and what kernels derive from it run once),
+    structured: causal, plus a key mask under padding, never a dense (T, S) mask."""
     model = tiny("llama", "affine")
-    seen = _record_masks(model)
+    objects = []
+    seen = _record_masks(model, objects)
     ids, mask, pos = left_padded(T=10)
     with torch.no_grad():
         model(ids)  # no padding: plain causal
         model(ids, attention_mask=mask, position_ids=pos)  # left padding: key mask + causal
         right = mask.flip(-1)
         model(ids, attention_mask=right)  # right padding: key mask + causal
-    assert seen[:2] == [(None, True)] * 2
-    assert seen[2:] == [((3, 1, 1, 10), True)] * 4
+    assert seen[:2] == [(None, True, None)] * 2
+    assert seen[2:] == [((3, 1, 1, 10), True, None)] * 4
+    assert [len({id(m) for m in objects[i:i + 2]}) for i in (0, 2, 4)] == [1, 1, 1]  # 2 layers, one object
+    assert len({id(m) for m in objects}) == 3
 
 
 def test_mask_function_forms():

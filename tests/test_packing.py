@@ -60,7 +60,8 @@ def test_packing_reaches_the_variants_as_document_ids():
     original = variant.forward
 
     def spy(*args, **kwargs):
-        seen.append((kwargs.get("document_ids"), kwargs.get("attn_mask")))
+        mask = kwargs["mask"]  # the MaskSpec the seam parsed for this forward
+        seen.append((mask.documents, mask.dense if mask.dense is not None else mask.keys))
         return original(*args, **kwargs)
 
     variant.forward = spy

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor, nn
 
-from ..ops import visible_mask
+from ..ops.masks import MaskSpec
 from ..ops.logits import visible_logit_sums
 from ..variants import AttentionVariant
 from .metrics import LayerStats, alpha_distribution, head_utilisation
@@ -92,10 +92,6 @@ class _Accumulator:
     totals: list = field(default_factory=list)
     variant: str = ""
     num_heads: int = 0
-
-
-def _as4d(mask: Tensor) -> Tensor:
-    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
 
 def _add(acc: Tensor | None, x: Tensor) -> Tensor:
@@ -186,55 +182,41 @@ class AttentionRecorder:
                 self._record(index, module, **bound)
         return hook
 
-    def _query_mask(self, token_mask, attn_mask, B: int, T: int, S: int) -> Tensor | None:
+    def _query_mask(self, token_mask, mask: MaskSpec, B: int, T: int, S: int) -> Tensor | None:
         """(B, T) bool of real queries, or None when every query is real (see the class docstring)."""
         if isinstance(token_mask, Tensor) and tuple(token_mask.shape) == (B, T):
             return token_mask.bool()
         m = self._model_mask
         if m is not None and tuple(m.shape) == (B, T):
             return m
-        if isinstance(attn_mask, Tensor) and T == S:
-            a = _as4d(attn_mask)
-            if a.shape[1] == 1 and a.shape[2] == 1 and a.shape[0] == B and a.shape[3] == S:
-                return a[:, 0, 0, :]
+        if mask.keys is not None and T == S and mask.keys.shape[0] == B:
+            return mask.keys[:, 0, 0, :]
         return None
 
     # --- the chunked reduction ----------------------------------------------------------------
     def _record(self, index: int, module: AttentionVariant, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
-                attn_mask: Tensor | None, is_causal: bool, scale: float | None, token_mask: Tensor | None) -> None:
-        """q: (B, Hq, T, D), k, v: (B, Hkv, S, D), x: (B, T, hidden); one block of queries at a time."""
+                mask: MaskSpec, scale: float | None, token_mask: Tensor | None) -> None:
+        """q: (B, Hq, T, D), k, v: (B, Hkv, S, D), x: (B, T, hidden); mask: the very MaskSpec the layer's fast path
+        used (causal, padding, window, documents, dense alike); one block of queries at a time."""
         acc = self._acc[index]
         B, H, T, _ = q.shape
         S = k.shape[2]
         acc.variant, acc.num_heads = module.name, H
-        qmask = self._query_mask(token_mask, attn_mask, B, T, S)
+        qmask = self._query_mask(token_mask, mask, B, T, S)
         if qmask is not None:
             qmask = qmask.to(q.device)
-        mask4 = _as4d(attn_mask) if attn_mask is not None else None
         for t0 in range(0, T, self.chunk):
             t1 = min(T, t0 + self.chunk)
-            # Bottom-right causal: query i sees keys j <= i + S - T. The block's queries see at most the first
-            # t1 + S - T keys; passing exactly that prefix with is_causal keeps the same offset for every row
-            # (offset' = prefix - (t1 - t0) = t0 + S - T), so the block is computed exactly and costs a triangle.
-            prefix = t1 + S - T if is_causal else S
-            if is_causal and prefix < 1:  # T > S: these queries see no key; the explicit mask says so
-                prefix, causal_blk = S, False
-                extra = visible_mask(None, True, T, S, q.device)[:, :, t0:t1]
-            else:
-                causal_blk, extra = is_causal, None
-            blk_mask = None
-            if mask4 is not None:
-                blk_mask = mask4[:, :, t0:t1] if mask4.shape[2] == T and T > 1 else mask4
-                blk_mask = blk_mask[..., :prefix] if blk_mask.shape[3] == S else blk_mask
-            if extra is not None:
-                blk_mask = extra if blk_mask is None else blk_mask & extra
-            qb, kb, vb, xb = q[:, :, t0:t1], k[:, :, :prefix], v[:, :, :prefix], x[:, t0:t1]
+            # The block's queries see no key past `hi` (causal, from the shapes): passing only keys [0, hi) costs a
+            # triangle, and keeps key positions absolute (first-token statistics read key 0).
+            hi = mask.static_key_range(t0, t1)[1]
+            hi = hi if hi >= 1 else S  # T > S: these queries see no key; the block mask says so
+            vis = mask.chunk_bool(t0, t1, q.device, 0, hi)  # (B|1, 1|H, Tc, hi): the whole mask of this block
+            qb, kb, vb, xb = q[:, :, t0:t1], k[:, :, :hi], v[:, :, :hi], x[:, t0:t1]
             qm = qmask[:, t0:t1] if qmask is not None else None
-            _, w, extras = module.reference(qb, kb, vb, xb, attn_mask=blk_mask, is_causal=causal_blk, scale=scale)
-            vis = visible_mask(blk_mask, causal_blk, t1 - t0, prefix, q.device)
+            _, w, extras = module.reference(qb, kb, vb, xb, attn_mask=vis, scale=scale)
             self._reduce(acc, w, vis, qm, extras, t0)
-            acc.qk = _add(acc.qk, visible_logit_sums(qb, kb, attn_mask=blk_mask, is_causal=causal_blk, scale=scale,
-                                                     query_mask=qm))
+            acc.qk = _add(acc.qk, visible_logit_sums(qb, kb, attn_mask=vis, scale=scale, query_mask=qm))
             del w, extras, vis
 
     def _reduce(self, acc: _Accumulator, w: Tensor, vis: Tensor, qm: Tensor | None, extras: dict, t0: int) -> None:
@@ -309,11 +291,13 @@ def _signature(cls: type) -> inspect.Signature:
 
 
 def _bind(module: AttentionVariant, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The variant's forward arguments by name (q, k, v, x may come positionally or by keyword)."""
+    """The variant's forward arguments by name (q, k, v, x may come positionally or by keyword), its mask as the
+    one MaskSpec the call used (given by the seam, or parsed from the op keywords as the variant itself does)."""
     ba = _signature(type(module)).bind(module, *args, **kwargs)
     ba.apply_defaults()
     a = ba.arguments
-    return {name: a[name] for name in ("q", "k", "v", "x", "attn_mask", "is_causal", "scale", "token_mask")}
+    mask = module.parsed_mask(a["q"], a["k"], a["mask"], a["attn_mask"], a["is_causal"], a["window"], a["document_ids"])
+    return {"mask": mask, **{name: a[name] for name in ("q", "k", "v", "x", "scale", "token_mask")}}
 
 
 def utilisation(records: list[LayerRecord], sink_excluded: bool = True) -> Tensor:

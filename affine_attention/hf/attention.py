@@ -24,6 +24,7 @@ from transformers.masking_utils import (  # noqa: E402
 )
 from transformers.utils import is_tracing  # noqa: E402
 
+from ..ops.masks import Varlen, parse_mask  # noqa: E402
 from . import cache as value_cache  # noqa: E402
 from . import packing  # noqa: E402
 
@@ -81,28 +82,49 @@ def _variant_mask(mask: Tensor | None, B: int, T: int, S: int, training: bool):
     return mask, False, token_mask, None
 
 
-# Every layer of one model forward receives the same mask object (one per layer type): the first layer parses it,
-# the others reuse that. Eager only (a compiled graph parses once at trace time anyway); only structured
-# (B|1, 1, 1, S) masks, whose parse is a function of the object's shape and dtype plus views of it, so a memo
-# entry can never go stale; strong references to at most _MEMO_SIZE small masks, replaced as new ones come.
-_MASK_MEMO: list[tuple[Tensor, tuple, tuple]] = []
-_MEMO_SIZE = 4  # mask objects per forward: one per layer type (full, sliding), with room for two forwards
+def _layer_mask(masks: dict | None, attention_mask: Tensor | None, query: Tensor, key: Tensor, training: bool,
+                sliding_window: int | None, documents: Tensor | None, varlen: Varlen | None):
+    """The layer's parsed mask (MaskSpec), token mask and key padding (see `_variant_mask`), made once per model
+    forward: `masks` is that forward's memo (see packing.FORWARD_KWARG), every layer of one kind (full or sliding
+    attention) receives the same mask objects, and what kernels derive from the MaskSpec (varlen segments, a host
+    check) is kept on it. A compiled graph makes it per layer at trace time, which costs nothing at run time."""
+    B, Hq, T, _ = query.shape
+    S = key.shape[-2]
+    if masks is not None and not torch.compiler.is_compiling():
+        key_ = (id(attention_mask), id(documents), sliding_window, B, Hq, T, S, training)
+        hit = masks.get(key_)
+        # The memo holds the objects it was keyed by: their ids cannot be reused during the forward.
+        if hit is not None and hit[0] is attention_mask and hit[1] is documents:
+            return hit[2]
+    if documents is not None:
+        # Document ids come only from the packing hook, which acts only without an attention mask and hands
+        # transformers an all-ones one (so it builds no dense block mask): there is no padding. A traced graph
+        # cannot see that the key mask is all ones, so it is dropped here rather than kept beside the documents.
+        attention_mask = None
+    attn_mask, is_causal, token_mask, keys = _variant_mask(attention_mask, B, T, S, training)
+    if sliding_window is not None and not is_causal:
+        raise ValueError(f"a sliding window ({sliding_window}) with a dense attention mask; pass the mask transformers "
+                         "builds for the model")
+    # Packed rows (see packing.py) and sliding windows stay structured: the variants get document ids / a window
+    # instead of a dense (T, S) mask, so their fast paths run.
+    spec = parse_mask(attn_mask, is_causal, B, Hq, T, S, query.device, window=sliding_window if is_causal else None,
+                      document_ids=documents, varlen=varlen if documents is not None else None)
+    result = (spec, token_mask, keys)
+    if masks is not None and not torch.compiler.is_compiling():
+        masks[key_] = (attention_mask, documents, result)
+    return result
 
 
-def _parsed_mask(mask: Tensor | None, B: int, T: int, S: int, training: bool):
-    """`_variant_mask`, computed once per mask object and shape (the decode hot path: once per model forward)."""
-    if mask is None:
-        return None, True, None, None
-    if torch.compiler.is_compiling() or not isinstance(mask, Tensor) or mask.dim() != 4 or mask.shape[-2] != 1:
-        return _variant_mask(mask, B, T, S, training)
-    key = (B, T, S, training)
-    for m, k, parsed in _MASK_MEMO:
-        if m is mask and k == key:
-            return parsed
-    parsed = _variant_mask(mask, B, T, S, training)
-    _MASK_MEMO.insert(0, (mask, key, parsed))
-    del _MASK_MEMO[_MEMO_SIZE:]
-    return parsed
+def _varlen(kwargs: dict[str, Any]) -> Varlen | None:
+    """transformers' FlashAttention kwargs of a packed batch (DataCollatorWithFlattening(return_flash_attn_kwargs=
+    True)), made outside the model: the varlen segments without a host sync, also inside a compiled graph."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None or cu_k is None:
+        return None
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if isinstance(max_q, Tensor) or isinstance(max_k, Tensor):
+        max_q, max_k = int(max_q), int(max_k)  # a host read, where a collator handed tensors
+    return Varlen(cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k)
 
 
 def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -132,23 +154,17 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         # SDPA under autocast, in the autocast dtype (its sums still accumulate in float32).
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    T, S = query.shape[-2], key.shape[-2]
-    mask, is_causal, token_mask, keys = _parsed_mask(attention_mask, query.shape[0], T, S, variant.training)
-    # Packed rows (see packing.py) and sliding windows stay structured: the variants get document ids / a window
-    # instead of a dense (T, S) mask, so their fast paths run.
-    document_ids = kwargs.get(packing.DOCS_KWARG)
-    window = sliding_window if is_causal else None
-    if sliding_window is not None and not is_causal:
-        raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: a sliding window ({sliding_window}) with a "
-                         "dense attention mask; pass the mask transformers builds for the model")
+    T = query.shape[-2]
+    mask, token_mask, keys = _layer_mask(kwargs.get(packing.FORWARD_KWARG), attention_mask, query, key,
+                                         variant.training, sliding_window, kwargs.get(packing.DOCS_KWARG),
+                                         _varlen(kwargs))
     v_mean = None
     cache = kwargs.get(CACHE_KWARG)
-    if cache is not None and variant.uses_value_mean and window is None and is_causal:
+    if cache is not None and variant.uses_value_mean and mask.window is None and mask.causal:
         v_mean = value_cache.value_mean(cache, module.layer_idx, value, keys, T,
                                         getattr(variant.options, "bias_norm", "visible"),
                                         kwargs.get(TRUSTED_KWARG, False))
-    out = variant(query, key, value, x, attn_mask=mask, is_causal=is_causal, window=window,
-                  document_ids=document_ids, scale=scaling, token_mask=token_mask, v_mean=v_mean)
+    out = variant(query, key, value, x, mask=mask, scale=scaling, token_mask=token_mask, v_mean=v_mean)
     return out.transpose(1, 2).contiguous(), None
 
 

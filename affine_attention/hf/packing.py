@@ -18,6 +18,9 @@ from transformers.masking_utils import find_packed_sequence_indices
 from transformers.utils import is_tracing
 
 DOCS_KWARG = "affine_attention_document_ids"
+# One dict per model forward that transformers hands every attention call: the memo in which the seam keeps each
+# layer kind's parsed mask, so masks are parsed and checked once per forward (hf/attention.py `_layer_mask`).
+FORWARD_KWARG = "affine_attention_forward_masks"
 _HOOK_ATTR = "_affine_attention_packing_hook"
 
 
@@ -45,14 +48,17 @@ def _will_have_cache(decoder: nn.Module, kwargs: dict[str, Any]) -> bool:
 
 
 def detect_packing(decoder: nn.Module, args: tuple, kwargs: dict[str, Any]):
-    """Forward pre-hook (with_kwargs) on the decoder stack (model.model). See the module docstring."""
+    """Forward pre-hook (with_kwargs) on the decoder stack (model.model): a fresh per-forward mask memo for the
+    attention calls, and document ids for packed rows (see the module docstring)."""
+    kwargs = dict(kwargs)
+    kwargs[FORWARD_KWARG] = {}
     if args or kwargs.get("attention_mask") is not None or _will_have_cache(decoder, kwargs):
-        return None
+        return args, kwargs
     ids = kwargs.get("input_ids")
     embeds = kwargs.get("inputs_embeds")
     ref = ids if ids is not None else embeds
     if ref is None:
-        return None
+        return args, kwargs
     B, T = ref.shape[0], ref.shape[1]
     cu = kwargs.get("cu_seq_lens_k")
     if cu is not None:
@@ -64,11 +70,10 @@ def detect_packing(decoder: nn.Module, args: tuple, kwargs: dict[str, Any]):
         # two can never disagree; None: positions never restart, not packed.
         docs = find_packed_sequence_indices(kwargs["position_ids"])
         if docs is None:
-            return None
+            return args, kwargs
         docs = docs.expand(B, T)
     else:
-        return None
-    kwargs = dict(kwargs)
+        return args, kwargs
     kwargs[DOCS_KWARG] = docs
     kwargs["attention_mask"] = torch.ones(B, T, dtype=torch.long, device=ref.device)
     return args, kwargs

@@ -12,7 +12,8 @@ from ._validate import check_per_head, check_per_query, check_v_mean
 from .backends import attention_on
 from .epilogue import gate4, run_checked
 from .isolate import isolate_nonfinite, poison_seen
-from .plan import plan
+from .masks import MaskSpec
+from .plan import make_plan
 from .value_mean import ValueMean
 
 
@@ -20,7 +21,7 @@ def affine_scaled_attention(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, alph
                             attn_mask: Tensor | None = None, is_causal: bool = False, scale: float | None = None,
                             bias_norm: str = "visible", enable_gqa: bool = False, window: int | None = None,
                             document_ids: Tensor | None = None, backend: str | None = None,
-                            v_mean: Tensor | None = None) -> Tensor:
+                            v_mean: Tensor | None = None, mask: MaskSpec | None = None) -> Tensor:
     """Affine-Scaled Attention: a_ij = alpha_i * softmax_j(q_i.k_j * scale) + (alpha_ma - alpha_i) / N_i.
 
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D); alpha: (B, Hq, T); alpha_ma: (Hq,). Returns (B, Hq, T, D).
@@ -31,11 +32,14 @@ def affine_scaled_attention(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, alph
     non-decreasing: a query sees only keys of its own document. backend: force a kernel backend by name.
     v_mean: optional precomputed mean of the visible values, (B, Hkv, T, D) float32, e.g. from a decoding
     cache's running sum; it replaces the masked mean and must follow the same bias_norm.
-    A query that sees no key returns zeros.
+    mask: the mask already parsed (`ops.masks.parse_mask`, a MaskSpec) instead of attn_mask / is_causal / window /
+    document_ids: parsed once, it serves many calls (every layer of a model forward) and kernels keep what they
+    derive from it. A query that sees no key returns zeros.
     """
     return attention_with_epilogue(q, k, v, alpha=alpha, alpha_ma=alpha_ma, attn_mask=attn_mask,
                                    is_causal=is_causal, scale=scale, bias_norm=bias_norm, enable_gqa=enable_gqa,
-                                   window=window, document_ids=document_ids, backend=backend, v_mean=v_mean)
+                                   window=window, document_ids=document_ids, backend=backend, v_mean=v_mean,
+                                   mask=mask)
 
 
 def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | None = None,
@@ -44,18 +48,18 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
                             scale: float | None = None, bias_norm: str = "visible", enable_gqa: bool = False,
                             window: int | None = None, document_ids: Tensor | None = None,
                             backend: str | None = None, v_mean: Tensor | None = None,
-                            epilogue_impl: str | None = None) -> Tensor:
+                            epilogue_impl: str | None = None, mask: MaskSpec | None = None) -> Tensor:
     """Every variant's fast path: a softmax kernel (with the sink when sinks is given), then one epilogue pass.
 
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D); alpha: (B, Hq, T) with alpha_ma: (Hq,) for the affine part (or
     neither); gate: broadcastable to (B, Hq, T, D) or a float (see epilogue.epilogue); sinks: (Hq,) logits.
     Masks, scale, bias_norm, backend and v_mean as affine_scaled_attention; epilogue_impl forces "eager" or
-    "triton". Returns (B, Hq, T, D) in q's dtype.
+    "triton"; mask: the mask already parsed (a MaskSpec, e.g. once per model forward) instead of the keywords.
+    Returns (B, Hq, T, D) in q's dtype.
     """
-    # Checks and choices from the arguments alone, once per distinct call (plan.py).
-    p = plan(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, bias_norm=bias_norm,
-             enable_gqa=enable_gqa, window=window, document_ids=document_ids, backend=backend,
-             needs_lse=sinks is not None, epilogue_impl=epilogue_impl)
+    p = make_plan(q, k, v, mask=mask, attn_mask=attn_mask, is_causal=is_causal, window=window,
+                  document_ids=document_ids, scale=scale, bias_norm=bias_norm, enable_gqa=enable_gqa,
+                  backend=backend, needs_lse=sinks is not None, epilogue_impl=epilogue_impl)
     c = p.call
     B, Hq, Hkv, T, D = c.B, c.Hq, c.Hkv, c.T, c.D
     if (alpha is None) != (alpha_ma is None):
@@ -83,5 +87,5 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
         if mean.has_transpose:
             # Prefix-sum masks: the epilogue recomputes the sums from v in backward instead of saving them.
             return poison_seen(run_checked(impl, out, alpha, alpha_ma, g, None, v, mean), seen)
-        v_mean = mean(v)  # other masks: differentiated by autograd, kept for backward
+        v_mean = mean.of(v)  # other masks: differentiated by autograd, kept for backward
     return poison_seen(run_checked(impl, out, alpha, alpha_ma, g, v_mean, None, None), seen)

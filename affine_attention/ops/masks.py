@@ -1,12 +1,24 @@
-"""Mask normalisation: turns (attn_mask, is_causal) into a structured form the fast paths use without T x S tensors."""
+"""The one mask object every attention path reads: (attn_mask, is_causal, window, documents) parsed and validated once,
+kept structured (no T x S tensor except for a dense mask), with the per-mask facts the kernels derive from it."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from ._memo import MISS, TensorMemo
+
+class Varlen(NamedTuple):
+    """Packed documents in FlashAttention's varlen form, as transformers passes them (DataCollatorWithFlattening with
+    return_flash_attn_kwargs=True): cumulative query / key lengths (n_docs + 1,) int32 and the longest document.
+    Made outside the model, so a compiled graph needs no host sync to get them."""
+
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
 
 
 @dataclass(frozen=True)
@@ -21,6 +33,10 @@ class MaskSpec:
       bottom-right aligned: query i sees key j iff i + S - T - window < j; always combined with causal.
     documents: (B|1, S) int64 document id of every key position, non-decreasing along S (packed rows); query i
       has the id of key position i + S - T and sees only keys of its own document. None if absent.
+    varlen: the same documents as cumulative lengths, when the caller has them (one packed row, T == S).
+
+    Built once per op call, or once per model forward at the transformers seam and shared by every layer, so what a
+    kernel derives from it (`derived`: varlen segments, host-side checks) is computed once per forward, not per layer.
     """
 
     T: int
@@ -30,9 +46,12 @@ class MaskSpec:
     dense: Tensor | None
     window: int | None = None
     documents: Tensor | None = None
+    varlen: Varlen | None = None
 
     # Read several times per op call (isolation, backend choice, the mean of V): computed once, at construction.
     kinds: frozenset[str] = field(init=False, repr=False, compare=False)
+    # What kernels derive from this mask, by key (see `derived`); lives as long as the mask, i.e. one forward.
+    _derived: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         """kinds: the mask kinds in force, a subset of {"causal", "keys", "window", "documents", "dense"}; a backend
@@ -49,6 +68,29 @@ class MaskSpec:
         if self.dense is not None:
             kinds.add("dense")
         object.__setattr__(self, "kinds", frozenset(kinds))
+        object.__setattr__(self, "_derived", {})
+
+    def derived(self, key: Any, make: Callable[[], Any]) -> Any:
+        """make(), computed once per mask object and key: every layer of a forward shares the mask, so work a kernel
+        derives from it (segment tables, a host-side check) runs once per forward. Not remembered while compiling:
+        a graph derives its values once at trace time anyway."""
+        if torch.compiler.is_compiling():
+            return make()
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
+
+    def host_facts_known(self) -> bool:
+        """Whether values of the mask tensors may be read on the host (a sync): not while compiling (a graph cannot
+        branch on them) nor on the meta device (they have none)."""
+        t = next((x for x in (self.keys, self.documents, self.dense) if x is not None), None)
+        return not torch.compiler.is_compiling() and (t is None or t.device.type != "meta")
+
+    def op_kwargs(self) -> dict[str, Any]:
+        """The op keywords that give this mask again (attn_mask, is_causal, window, document_ids): what the readable
+        references take, so analysis sees exactly the mask the fast path used."""
+        return {"attn_mask": self.keys if self.keys is not None else self.dense, "is_causal": self.causal,
+                "window": self.window, "document_ids": self.documents}
 
     @property
     def offset(self) -> int:
@@ -149,32 +191,51 @@ def _check_documents(document_ids, B: int, T: int, S: int, device: torch.device)
                          f"and S = {S}")
     if document_ids.device != device:
         raise ValueError(f"document_ids is on {document_ids.device} but q is on {device}")
-    if torch.compiler.is_compiling():
-        return document_ids.long()
-    checked = _DOCUMENTS.get(document_ids)
-    if checked is not MISS:
-        return checked
-    if S > 1 and bool((document_ids[:, 1:] < document_ids[:, :-1]).any()):
+    # A host sync: once per op call, or once per model forward at the seam (which builds one MaskSpec per forward).
+    if S > 1 and document_ids.device.type != "meta" and not torch.compiler.is_compiling() and \
+            bool((document_ids[:, 1:] < document_ids[:, :-1]).any()):
         raise ValueError("document_ids must be non-decreasing along each row (packed documents one after another); "
                          "for other patterns pass a boolean attn_mask")
-    # The same int64 tensor for every layer, so that per-mask plans downstream (cuda_flash) hit their memo too.
-    return _DOCUMENTS.put(document_ids, document_ids.long())
+    return document_ids.long()
 
 
-# Every layer of a packed forward passes the same document ids: their check (a host sync) runs once per forward.
-_DOCUMENTS = TensorMemo(4)
+def _check_varlen(varlen, documents: Tensor | None, B: int, T: int, S: int, device) -> Varlen | None:
+    if varlen is None:
+        return None
+    if not isinstance(varlen, Varlen):
+        raise ValueError(f"varlen must be a masks.Varlen(cu_q, cu_k, max_q, max_k) or None, got {type(varlen).__name__}")
+    if documents is None or B != 1 or T != S:
+        raise ValueError("varlen (cumulative document lengths) describes one packed row without a cache: it needs "
+                         f"document_ids of that row, B = 1 and T = S; got B = {B}, T = {T}, S = {S}, document_ids "
+                         f"{'given' if documents is not None else 'missing'}")
+    for name in ("cu_q", "cu_k"):
+        cu = getattr(varlen, name)
+        if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype != torch.int32 \
+                or cu.device != device:
+            raise ValueError(f"varlen.{name} must be a 1-D int32 tensor of cumulative lengths on {device}, got "
+                             f"{cu.dtype if isinstance(cu, Tensor) else type(cu).__name__} of shape "
+                             f"{tuple(getattr(cu, 'shape', ()))}")
+    for name in ("max_q", "max_k"):
+        n = getattr(varlen, name)
+        if isinstance(n, torch.SymInt):  # a dynamic shape under torch.compile: checked where it is made
+            continue
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= S:
+            raise ValueError(f"varlen.{name} must be an int in [1, {S}] (the longest document), got {n!r}")
+    return varlen
 
 
 def parse_mask(attn_mask: Tensor | None, is_causal: bool, B: int, Hq: int, T: int, S: int,
-               device: torch.device, *, window: int | None = None, document_ids: Tensor | None = None) -> MaskSpec:
-    """Validate attn_mask (bool, broadcastable to (B, Hq, T, S), True = may attend), window and document_ids
-    ((B, S) int), and classify them."""
+               device: torch.device, *, window: int | None = None, document_ids: Tensor | None = None,
+               varlen: Varlen | None = None) -> MaskSpec:
+    """Validate attn_mask (bool, broadcastable to (B, Hq, T, S), True = may attend), window, document_ids
+    ((B, S) int) and varlen (the same documents as cumulative lengths, see Varlen), and classify them."""
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
     window = _check_window(window, is_causal)
     documents = _check_documents(document_ids, B, T, S, device)
+    varlen = _check_varlen(varlen, documents, B, T, S, device)
     if attn_mask is None:
-        return MaskSpec(T, S, is_causal, None, None, window, documents)
+        return MaskSpec(T, S, is_causal, None, None, window, documents, varlen)
     if not isinstance(attn_mask, Tensor):
         raise ValueError(f"attn_mask must be a bool tensor or None, got {type(attn_mask).__name__}")
     if attn_mask.dtype != torch.bool:
@@ -193,8 +254,8 @@ def parse_mask(attn_mask: Tensor | None, is_causal: bool, B: int, Hq: int, T: in
         raise ValueError(f"attn_mask is on {m.device} but q is on {device}")
     if m.shape[1] == 1 and m.shape[2] == 1:
         # A key mask always spans S (a (..., 1) mask broadcast over keys would count 1 visible key, not S).
-        return MaskSpec(T, S, is_causal, m.expand(*m.shape[:3], S), None, window, documents)
-    return MaskSpec(T, S, is_causal, None, m, window, documents)
+        return MaskSpec(T, S, is_causal, m.expand(*m.shape[:3], S), None, window, documents, varlen)
+    return MaskSpec(T, S, is_causal, None, m, window, documents, varlen)
 
 
 def visible_sum_and_count(v: Tensor, mask: MaskSpec, Hq: int) -> tuple[Tensor, Tensor]:
@@ -217,7 +278,8 @@ def visible_sum_and_count(v: Tensor, mask: MaskSpec, Hq: int) -> tuple[Tensor, T
     vf = v.to(acc)
     km = None if mask.keys is None else mask.keys[:, :, 0, :, None].to(acc)  # (B|1, 1, S, 1)
     if mask.kinds & {"window", "documents"}:
-        return _banded_sum_and_count(vf, km, mask)
+        from .segment_sums import banded_sum_and_count  # exact segmented scans, ops independent of B
+        return banded_sum_and_count(vf, km, mask)
     if km is not None:
         vf = vf * km
     if not mask.causal or mask.causal_is_trivial:
@@ -242,68 +304,3 @@ def visible_sum_and_count(v: Tensor, mask: MaskSpec, Hq: int) -> tuple[Tensor, T
              else torch.cat([torch.zeros(empty, device=v.device, dtype=acc),
                              torch.arange(1, S + 1, device=v.device, dtype=acc)])[None, None, :, None])
     return csum, count
-
-
-def _per_row(fn, x: Tensor, idx: Tensor) -> Tensor:
-    """fn(x_b (H, L, E), idx_b (n,)) for every batch row of x: (B|1, H, L, E) and idx: (B|1, n), broadcast; 1-D
-    index ops along one dim are several times faster on CPU than a gather/scatter with an expanded index."""
-    if idx.shape[0] == 1:
-        return fn(x, idx[0], 2)
-    return torch.stack([fn(x[min(b, x.shape[0] - 1)], idx[b], 1) for b in range(idx.shape[0])])
-
-
-def _take(x: Tensor, idx: Tensor) -> Tensor:
-    """x: (B|1, H, L, E), idx: (B|1, T) positions along L -> (B', H, T, E), B' the broadcast batch."""
-    return _per_row(lambda xb, ib, dim: xb.index_select(dim, ib), x, idx)
-
-
-def _segment_sum(x: Tensor, seg: Tensor) -> Tensor:
-    """x: (B|1, H, S, E), seg: (B|1, S) segment of each position -> per segment sums (B', H, S, E) (at most S)."""
-    return _per_row(lambda xb, ib, dim: torch.zeros_like(xb).index_add(dim, ib, xb), x, seg)
-
-
-def _banded_sum_and_count(vf: Tensor, km: Tensor | None, mask: MaskSpec) -> tuple[Tensor, Tensor]:
-    """Sliding window and/or documents as differences of centred float32 prefix sums.
-
-    vf: (B, Hkv, S, D) float; km: (B|1, 1, S, 1) key padding as 0/1 or None. Positions are cut into segments
-    (each document, further cut every `window` keys); every visible value is centred on its segment's mean before
-    the prefix sum, so the prefix returns to ~0 at every segment end and its rounding error stays that of one
-    segment, independent of S. A query's keys [lo, hi) lie in one document and span at most `window` keys, so
-    they touch at most two segments: their means are added back times the visible count in each.
-    Returns sum (B, Hkv, T, D) and count (B|1, 1, T, 1).
-    """
-    B, Hkv, S, D = vf.shape
-    dev = vf.device
-    lo, hi = mask.key_ranges(dev)  # (Bd, T) each
-    j = torch.arange(S, device=dev)
-    start = j == 0
-    if "window" in mask.kinds:
-        cut = j % mask.window == 0
-        start = start | cut
-        # First window cut after each position, by a reverse running minimum: a floor division feeding the
-        # gathers below trips inductor's value-range analysis under torch.compile.
-        after = torch.where(cut, j, S).flip(0).cummin(0).values.flip(0)
-        after = torch.cat([after, after.new_full((1,), S)])  # (S + 1,)
-    start = start[None]
-    if mask.documents is not None:
-        d = mask.documents
-        start = start | torch.cat([torch.ones_like(d[:, :1], dtype=torch.bool), d[:, 1:] != d[:, :-1]], dim=1)
-    seg = start.long().cumsum(1) - 1  # (Bd, S): segment of every key position
-    w = km if km is not None else vf.new_ones(1, 1, S, 1)
-    seg_count = _segment_sum(w, seg)
-    seg_mean = _segment_sum(vf * w if km is not None else vf, seg) / seg_count.clamp(min=1)
-    centre = _take(seg_mean, seg)  # (B, Hkv, S, D): mean of the visible values of each position's segment
-    u = (vf - centre) * w if km is not None else vf - centre
-    zero = vf.new_zeros(B, Hkv, 1, D)
-    cu = torch.cat([zero, u.cumsum(2)], dim=2)  # (B, Hkv, S + 1, D): exclusive prefix of centred values
-    # The second segment starts at the first window cut after lo (documents never cut inside [lo, hi)).
-    mid = torch.minimum(hi, after[(lo + 1).clamp(max=S)]) if "window" in mask.kinds else hi
-    if km is not None:
-        ck = torch.cat([w.new_zeros(w.shape[0], 1, 1, 1), w.cumsum(2)], dim=2)  # (B|1, 1, S + 1, 1)
-        n1, n2 = _take(ck, mid) - _take(ck, lo), _take(ck, hi) - _take(ck, mid)
-    else:
-        n1, n2 = (mid - lo).to(vf.dtype)[:, None, :, None], (hi - mid).to(vf.dtype)[:, None, :, None]
-    first = _take(centre, lo.clamp(max=S - 1))
-    last = _take(centre, (hi - 1).clamp(min=0))
-    total = _take(cu, hi) - _take(cu, lo) + first * n1 + last * n2
-    return total, n1 + n2

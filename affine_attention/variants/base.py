@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from ..ops import softmax_attention_reference
 from ..ops.affine import attention_with_epilogue
+from ..ops.masks import MaskSpec, parse_mask
 
 
 @dataclass(frozen=True)
@@ -124,25 +125,38 @@ class AttentionVariant(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, *, attn_mask: Tensor | None = None,
                 is_causal: bool = False, window: int | None = None, document_ids: Tensor | None = None,
-                scale: float | None = None, token_mask: Tensor | None = None, v_mean: Tensor | None = None,
-                backend: str | None = None) -> Tensor:
-        """window / document_ids ((B, S) int) / backend: as on the ops (see affine_attention.ops)."""
+                mask: MaskSpec | None = None, scale: float | None = None, token_mask: Tensor | None = None,
+                v_mean: Tensor | None = None, backend: str | None = None) -> Tensor:
+        """The mask either parsed (mask=, e.g. once per model forward by the transformers seam) or as the op
+        keywords attn_mask / is_causal / window / document_ids ((B, S) int); backend: as on the ops."""
         self._check_x(x, q)
-        mask = dict(attn_mask=attn_mask, is_causal=is_causal, window=window, document_ids=document_ids)
+        mask = self.parsed_mask(q, k, mask, attn_mask, is_causal, window, document_ids)
         return self.attend(q, k, v, x, mask=mask, scale=scale, token_mask=token_mask, v_mean=v_mean,
                            backend=backend)
 
     def reference(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, *, attn_mask: Tensor | None = None,
                   is_causal: bool = False, window: int | None = None, document_ids: Tensor | None = None,
-                  scale: float | None = None) -> tuple[Tensor, Tensor, dict[str, Any]]:
+                  mask: MaskSpec | None = None, scale: float | None = None) -> tuple[Tensor, Tensor, dict[str, Any]]:
         """Eager form for analysis: (out (B, Hq, T, D), weights (B, Hq, T, S), extras such as alpha or sink mass).
 
-        Never updates state (alpha_ma stays as it is)."""
+        Never updates state (alpha_ma stays as it is). The mask as in `forward`."""
         self._check_x(x, q)
-        mask = dict(attn_mask=attn_mask, is_causal=is_causal, window=window, document_ids=document_ids)
-        out, w, extras = self.attend_reference(q, k, v, x, mask=mask, scale=scale)
+        mask = self.parsed_mask(q, k, mask, attn_mask, is_causal, window, document_ids)
+        out, w, extras = self.attend_reference(q, k, v, x, mask=mask.op_kwargs(), scale=scale)
         gate = self.output_gate(x)  # the readable form of the epilogue's gate: one multiply
         return (out if gate is None else out * gate), w, extras
+
+    @staticmethod
+    def parsed_mask(q: Tensor, k: Tensor, mask: MaskSpec | None, attn_mask, is_causal, window, document_ids) -> MaskSpec:
+        """The one parsed mask of this call: `mask` as given, or parsed from the keywords (not both)."""
+        if mask is None:
+            B, Hq, T, _ = q.shape
+            return parse_mask(attn_mask, is_causal, B, Hq, T, k.shape[2], q.device, window=window,
+                              document_ids=document_ids)
+        if attn_mask is not None or is_causal is not False or window is not None or document_ids is not None:
+            raise ValueError("pass the mask once: either mask= (a parsed MaskSpec) or the keywords attn_mask, "
+                             "is_causal, window and document_ids, not both")
+        return mask
 
     # --- what subclasses override -------------------------------------------------------------
     def prologue(self, x: Tensor, token_mask: Tensor | None) -> Prologue:
@@ -153,14 +167,14 @@ class AttentionVariant(nn.Module):
         """The epilogue's output gate from x: (B, T, hidden), broadcastable to (B, Hq, T, D); None for softmax."""
         return None
 
-    # mask: the op keywords attn_mask, is_causal, window, document_ids, passed on unchanged.
-    def attend(self, q, k, v, x, *, mask: dict[str, Any], scale, token_mask, v_mean, backend) -> Tensor:
+    # mask: the parsed MaskSpec (attend) or its op keywords (attend_reference: the references take keywords).
+    def attend(self, q, k, v, x, *, mask: MaskSpec, scale, token_mask, v_mean, backend) -> Tensor:
         p = self.prologue(x, token_mask)
         if (p.sinks is not None) != self.needs_lse or (p.alpha is not None) != self.uses_value_mean:
             raise ValueError(f"variant {self.name!r}: its prologue does not match what it declares it needs from "
                              f"the kernel (needs_lse={self.needs_lse}, uses_value_mean={self.uses_value_mean})")
         return attention_with_epilogue(q, k, v, alpha=p.alpha, alpha_ma=p.alpha_ma, gate=p.gate, sinks=p.sinks,
-                                       **mask, scale=scale, bias_norm=p.bias_norm, enable_gqa=self._gqa,
+                                       mask=mask, scale=scale, bias_norm=p.bias_norm, enable_gqa=self._gqa,
                                        backend=backend, v_mean=v_mean if p.alpha is not None else None)
 
     def attend_reference(self, q, k, v, x, *, mask: dict[str, Any], scale):

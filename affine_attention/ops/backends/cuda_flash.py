@@ -7,13 +7,12 @@ lengths), so no T x S mask is ever built. Never goes through cuDNN (NaN-gradient
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..._compat import float_acc
-from .._memo import MISS, TensorMemo
 from ..masks import MaskSpec
 from .base import Backend, Call
 
@@ -40,10 +39,11 @@ def _platform_reason() -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class Part:
+class Part(NamedTuple):
     """One varlen kernel call: query segments cu_q over the rows q_index of the flat (B*T) queries, each seeing
-    its key segment of cu_k over the rows k_index of the flat (B*S) keys. None index: every row, in order."""
+    its key segment of cu_k over the rows k_index of the flat (B*S) keys. None index: every row, in order.
+    rows: (B*T,) bool, the query rows whose result this call gives (None: every row); fold: decoding's layout, one
+    row per (batch row, KV head) holding its group of query heads (see `_fold_part`)."""
 
     q_index: Tensor | None  # (n_q,) int64
     k_index: Tensor | None  # (n_k,) int64
@@ -52,11 +52,14 @@ class Part:
     max_q: int
     max_k: int
     causal: bool
+    rows: Tensor | None = None
+    fold: bool = False
 
     def to(self, device: torch.device) -> "Part":
+        """The part on `device` (a no-op where it is already; the meta tests plan on CPU and run on meta)."""
         move = (lambda t: None if t is None else t.to(device))  # noqa: E731
-        return Part(move(self.q_index), move(self.k_index), move(self.cu_q), move(self.cu_k), self.max_q,
-                    self.max_k, self.causal)
+        return self._replace(q_index=move(self.q_index), k_index=move(self.k_index), cu_q=move(self.cu_q),
+                             cu_k=move(self.cu_k), rows=move(self.rows))
 
 
 def _causal(mask: MaskSpec) -> bool:
@@ -72,52 +75,91 @@ def _window(mask: MaskSpec, causal: bool) -> tuple[int, int]:
     return -1, 0 if causal else -1
 
 
-def _ranges(starts: list[int], lengths: list[int], device) -> tuple[Tensor, Tensor]:
-    """Concatenated index ranges [starts[i], starts[i] + lengths[i]) and their cumulative lengths (int32)."""
-    cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
-    total = int(cu[-1])
-    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths), output_size=total)
-    index = torch.arange(total) - cu[:-1][seg] + torch.tensor(starts, dtype=torch.int64)[seg]
-    return index.to(device), cu.to(torch.int32).to(device)
+def _cumulative(counts: Tensor) -> Tensor:
+    """(..., n) segment lengths -> (numel + 1,) int32 cumulative lengths, on the device: no host sync."""
+    flat = counts.reshape(-1)
+    return torch.cat([flat.new_zeros(1), flat.cumsum(0)]).to(torch.int32)
 
 
-def _part(rows: list[tuple[int, int, int, int]], causal: bool, device) -> Part | None:
-    """A Part from (q_start, q_len, k_start, k_len) per segment, in flat query / key coordinates."""
-    rows = [r for r in rows if r[1] > 0]
-    if not rows:
-        return None
-    q_index, cu_q = _ranges([r[0] for r in rows], [r[1] for r in rows], device)
-    k_index, cu_k = _ranges([r[2] for r in rows], [r[3] for r in rows], device)
-    return Part(q_index, k_index, cu_q, cu_k, max(r[1] for r in rows), max(r[3] for r in rows), causal)
-
-
-def _key_padding_parts(mask: MaskSpec, B: int) -> tuple[list[Part], str | None]:
-    """Parts for a key-padding mask whose valid keys are one contiguous span [a, e) per row.
-
-    Under causal, query position p = i + S - T sees [a, min(p, e - 1)]: queries with p < e form a causal part on
-    keys [a, e) (its bottom-right alignment is then exactly p's), the later ones a non-causal part on the same
-    keys. Rows without a valid key are left out (their queries stay empty: out 0, lse -inf).
-    """
-    T, S, off = mask.T, mask.S, mask.offset
+def _spans(mask: MaskSpec, B: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Key padding as one run of valid keys [first, end) per row: first, end (B,) int64 and contiguous (B,) bool
+    (False where the valid keys are not one run). A row without a valid key has first = end = S. On the device."""
+    S = mask.S
     keys = mask.keys.reshape(mask.keys.shape[0], S).expand(B, S)
     n = keys.sum(1)
     first = keys.int().argmax(1)
-    last = S - 1 - keys.flip(1).int().argmax(1)
-    stats = torch.stack([n, first, last], 1).tolist()
-    causal_rows, open_rows = [], []
-    for b, (count, a, last_b) in enumerate(stats):
-        if count == 0:
-            continue
-        if last_b - a + 1 != count:
-            return [], f"key padding that is not one contiguous run of valid keys per row (row {b})"
-        e = last_b + 1
-        if e < S and "window" in mask.kinds:
-            # The window counts back from the query's position, the kernel's from the segment's last key.
-            return [], f"a sliding window with right key padding (row {b}); left padding is exact"
-        split = min(T, max(0, e - off)) if _causal(mask) else 0
-        causal_rows.append((b * T, split, b * S + a, e - a))
-        open_rows.append((b * T + split, T - split, b * S + a, e - a))
-    return [p for p in (_part(causal_rows, True, keys.device), _part(open_rows, False, keys.device)) if p], None
+    end = S - keys.flip(1).int().argmax(1)
+    none = n == 0
+    first, end = first.masked_fill(none, S), end.masked_fill(none, S)
+    return first, end, none | (n == end - first)
+
+
+def _key_host_facts(mask: MaskSpec, B: int) -> tuple[bool, bool] | None:
+    """(every row one contiguous run, some row right-padded: its last valid key before S), read once per mask (one
+    host sync per forward at the seam); None where values cannot be read (compiling, meta)."""
+    if not mask.host_facts_known():
+        return None
+    first, end, contiguous = _spans(mask, B)
+    ok, right = torch.stack([contiguous.all(), ((end < mask.S) & (first < end)).any()]).tolist()
+    return bool(ok), bool(right)
+
+
+def _may_have_right_padding(mask: MaskSpec, B: int) -> bool:
+    facts = mask.derived(("cuda_flash.keys", B), lambda: _key_host_facts(mask, B))
+    return facts is None or facts[1]
+
+
+def _key_parts(mask: MaskSpec, B: int, Hq: int, Hkv: int) -> list[Part]:
+    """Key padding as varlen segments over the un-padded flat layout, with no host sync and no copy of the keys.
+
+    Per row, the keys split into [0, first) | [first, end) | [end, S) and the queries (positions p = S - T + i) into
+    A (p < first), V (first <= p < end) and C (p >= end). Segments with no queries cover the padded keys (so every
+    key row belongs to a segment), segments with no keys give empty rows (out 0). Under causal, V's queries over
+    [first, end) align bottom-right exactly as the row does; C's queries (right padding) see every valid key, which
+    a causal call cannot express, so a second, non-causal call gives them (it does no work without right padding).
+    One decoding query (T = 1) without a window folds each KV head's group of query heads into one segment.
+    """
+    T, S = mask.T, mask.S
+    first, end, _ = _spans(mask, B)
+    if T == 1 and "window" not in mask.kinds:
+        return [_fold_part(first, end, S, Hkv, Hq // Hkv)]
+    zero = torch.zeros_like(first)
+    if not _causal(mask):
+        return [Part(None, None, _cumulative(torch.stack([zero, zero + T, zero], 1)),
+                     _cumulative(torch.stack([first, end - first, S - end], 1)), T, S, False)]
+    n_a = (first - (S - T)).clamp(0, T)
+    n_c = T - (end - (S - T)).clamp(0, T)
+    n_v = T - n_a - n_c
+    parts = [Part(None, None, _cumulative(torch.stack([n_a, zero, n_v, n_c, zero], 1)),
+                  _cumulative(torch.stack([zero, first, end - first, zero, S - end], 1)), T, S, True)]
+    if _may_have_right_padding(mask, B):
+        pos = torch.arange(T, device=first.device) + (S - T)
+        late = (pos[None, :] >= end[:, None]).reshape(B * T)
+        parts.append(Part(None, None, _cumulative(torch.stack([n_a + n_v, zero, n_c, zero], 1)),
+                          _cumulative(torch.stack([zero, first, end - first, S - end], 1)), T, S, False, late))
+    return parts
+
+
+def _fold_part(first: Tensor, end: Tensor, S: int, Hkv: int, G: int) -> Part:
+    """One decoding query per head: the G query heads of each (batch row, KV head) become G queries of a one-head
+    segment over that head's cache row, which (B, Hkv, S, D) storage already lays out contiguously."""
+    B = first.shape[0]
+    first, end = (x[:, None].expand(B, Hkv) for x in (first, end))
+    zero = torch.zeros_like(first)
+    return Part(None, None, _cumulative(torch.stack([zero, zero + G, zero], 2)),
+                _cumulative(torch.stack([first, end - first, S - end], 2)), G, S, False, fold=True)
+
+
+def _key_padding_reason(mask: MaskSpec, B: int) -> str | None:
+    facts = mask.derived(("cuda_flash.keys", B), lambda: _key_host_facts(mask, B))
+    if facts is not None and not facts[0]:
+        return "key padding that is not one contiguous run of valid keys per row"
+    if "window" in mask.kinds and (facts is None or facts[1]):
+        # Queries past the last valid key would need a per-row window offset.
+        return ("a sliding window with key padding that may be right padding (under torch.compile whether a row is "
+                "right-padded is unknown); left padding is exact in eager mode" if facts is None else
+                "a sliding window with right key padding; left padding is exact")
+    return None
 
 
 def _document_parts(mask: MaskSpec, B: int) -> list[Part]:
@@ -144,29 +186,38 @@ def _document_parts(mask: MaskSpec, B: int) -> list[Part]:
     return [Part(None, k_index, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, _causal(mask))]
 
 
-# A few recent plans, keyed by the mask tensor (alive, same version) and shapes: every layer of a model shares one.
-_PLANS = TensorMemo(8)
+def _documents_reason(mask: MaskSpec) -> str | None:
+    if mask.keys is not None:
+        return "documents together with key padding (give padding its own document id instead)"
+    if mask.varlen is None and not mask.host_facts_known():
+        return ("packed documents under torch.compile without their cumulative lengths (their segments need a host "
+                "sync): pass transformers' cu_seq_lens_q/k and max_length_q/k (DataCollatorWithFlattening("
+                "return_flash_attn_kwargs=True)), or run eager")
+    return None
 
 
-def plan(mask: MaskSpec, B: int) -> tuple[list[Part] | None, str | None]:
-    """(parts, None) for a varlen call, (None, None) for the dense kernel, or (None, reason) if unsupported."""
-    if mask.documents is None and mask.keys is None:
-        return None, None
-    if mask.documents is not None and mask.keys is not None:
-        return None, "documents together with key padding (give padding its own document id instead)"
-    source = mask.documents if mask.documents is not None else mask.keys
-    if source.device.type == "meta":
-        return None, "a mask on the meta device cannot be planned (its values are unknown)"
-    extra = (B, mask.T, mask.S, mask.causal, mask.window)
-    hit = _PLANS.get(source, *extra)
-    if hit is not MISS:
-        return hit
+def reason(mask: MaskSpec, B: int) -> str | None:
+    """Why this kernel cannot serve `mask` (None: it can). Decided once per mask object."""
     if mask.documents is not None:
-        result = (_document_parts(mask, B), None)
-    else:
-        parts, reason = _key_padding_parts(mask, B)
-        result = (None, reason) if reason else (parts, None)
-    return _PLANS.put(source, result, *extra)
+        return _documents_reason(mask)
+    if mask.keys is not None:
+        return _key_padding_reason(mask, B)
+    return None
+
+
+def plan(mask: MaskSpec, B: int, Hq: int, Hkv: int) -> list[Part] | None:
+    """The varlen calls for `mask` (None: one dense call), derived once per mask object (so once per forward)."""
+    if mask.documents is None and mask.keys is None:
+        return None
+    why = reason(mask, B)
+    if why is not None:
+        raise ValueError(f"cuda_flash cannot serve this mask: {why}")
+    if mask.documents is None:
+        return mask.derived(("cuda_flash.parts", B, Hq, Hkv), lambda: _key_parts(mask, B, Hq, Hkv))
+    v = mask.varlen
+    if v is not None:  # given by the caller (one packed row, T == S): no host work at all
+        return [Part(None, None, v.cu_q, v.cu_k, v.max_q, v.max_k, _causal(mask))]
+    return mask.derived(("cuda_flash.documents", B), lambda: _document_parts(mask, B))
 
 
 def _bthd(x: Tensor) -> Tensor:
@@ -181,6 +232,11 @@ def _flat(x: Tensor, index: Tensor | None) -> Tensor:
     return x if index is None else x.index_select(0, index)
 
 
+def _rows(x: Tensor, part: Part, index: Tensor | None) -> Tensor:
+    """x (B, H, L, D) in the part's layout: flat (n, H, D) rows, or folded (B*H*L, 1, D) one-head rows."""
+    return x.reshape(-1, 1, x.shape[3]) if part.fold else _flat(x, index)
+
+
 def _may_have_empty_rows(mask: MaskSpec) -> bool:
     """Whether some query may see no key: causal with T > S, or key padding (documents always see themselves)."""
     return mask.keys is not None or (_causal(mask) and mask.T > mask.S)
@@ -190,6 +246,15 @@ def _zero_rows(x: Tensor, empty: Tensor, mask: MaskSpec) -> Tensor:
     """x with the rows of queries that see no key set to 0 (the kernel's own zeros are not relied on).
     x: (..., D); empty: bool of x's shape without D."""
     return x.masked_fill(empty[..., None], 0) if _may_have_empty_rows(mask) else x
+
+
+def _poison_broken_rows(out: Tensor, mask: MaskSpec, B: int) -> Tensor:
+    """out: (B, Hq, T, D). Under torch.compile a key mask's contiguity cannot be checked on the host; a row whose
+    valid keys are not one run gets nan, never a silently wrong result (eager mode checks and refuses)."""
+    if mask.keys is None or mask.documents is not None or mask.host_facts_known():
+        return out
+    _, _, contiguous = _spans(mask, B)
+    return out.masked_fill(~contiguous[:, None, None, None], float("nan"))
 
 
 def _unused(device) -> tuple[Tensor, Tensor]:
@@ -203,9 +268,9 @@ class CudaFlashBackend(Backend):
     def supports(self, call: Call) -> str | None:
         if call.device_type != "cuda":
             return f"runs on CUDA only (got {call.device_type})"
-        reason = _platform_reason()
-        if reason is not None:
-            return reason
+        why = _platform_reason()
+        if why is not None:
+            return why
         if call.dtype not in DTYPES:
             return f"dtype {call.dtype} (float16 or bfloat16 only)"
         if call.D % 8 != 0 or call.D > MAX_HEAD_DIM:
@@ -214,7 +279,7 @@ class CudaFlashBackend(Backend):
             return f"an empty dimension (B, T, S) = {(call.B, call.T, call.S)}"
         if "dense" in call.mask.kinds:
             return "a dense boolean mask"
-        return plan(call.mask, call.B)[1]
+        return reason(call.mask, call.B)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float) -> tuple[Tensor, Tensor]:
         """q: (B, Hq, T, D); k, v: (B, Hkv, S, D) -> out (B, Hq, T, D) q.dtype, lse (B, Hq, T) float32."""
@@ -222,9 +287,7 @@ class CudaFlashBackend(Backend):
         B, Hq, T, D = q.shape
         S = k.shape[2]
         causal = _causal(mask)
-        parts, reason = plan(mask, B)
-        if reason is not None:
-            raise ValueError(f"cuda_flash cannot serve this mask: {reason}")
+        parts = plan(mask, B, Hq, k.shape[1])
         if parts is None:
             left, right = _window(mask, causal)
             out, lse = fwd(_bthd(q), _bthd(k), _bthd(v), None, None, T, S, 0.0, causal, False, scale=scale,
@@ -232,23 +295,30 @@ class CudaFlashBackend(Backend):
             lse = lse.reshape(B, Hq, T)
             empty = lse.isinf()  # the kernel marks a row that sees no key with lse = +inf; ours is -inf
             return _zero_rows(out.transpose(1, 2), empty, mask), lse.masked_fill(empty, float("-inf"))
-        out = q.new_zeros(B * T, Hq, D)
-        lse = torch.full((Hq, B * T), float("-inf"), dtype=float_acc(q.dtype), device=q.device)
+        out = lse = None
         for part in parts:
             part = part.to(q.device)
             left, right = _window(mask, part.causal)
-            o, l_ = fwd(_flat(q, part.q_index), _flat(k, part.k_index), _flat(v, part.k_index), part.cu_q,
-                        part.cu_k, part.max_q, part.max_k, 0.0, part.causal, False, scale=scale,
+            o, l_ = fwd(_rows(q, part, part.q_index), _rows(k, part, part.k_index), _rows(v, part, part.k_index),
+                        part.cu_q, part.cu_k, part.max_q, part.max_k, 0.0, part.causal, False, scale=scale,
                         window_size_left=left, window_size_right=right)[:2]
+            if part.fold:  # (B*Hq, 1, D) and (1, B*Hq): one query (T = 1) per (batch row, head)
+                o, l_ = o.view(B * T, Hq, D), l_.reshape(B, Hq).t()
             l_ = l_.reshape(Hq, -1)
-            empty = l_.isinf()
-            o, l_ = _zero_rows(o, empty.t(), mask), l_.masked_fill(empty, float("-inf"))
-            if part.q_index is None:
+            if part.q_index is not None:  # documents wholly in the cache are left out: their rows stay empty
+                o = q.new_zeros(B * T, Hq, D).index_copy_(0, part.q_index, o)
+                l_ = torch.full((Hq, B * T), float("inf"), dtype=l_.dtype, device=q.device).index_copy_(
+                    1, part.q_index, l_)
+            if out is None:
                 out, lse = o, l_
-            else:
-                out.index_copy_(0, part.q_index, o)
-                lse.index_copy_(1, part.q_index, l_)
-        return out.view(B, T, Hq, D).transpose(1, 2), lse.view(Hq, B, T).transpose(0, 1)
+            else:  # the second call gives the rows it serves
+                out = torch.where(part.rows[:, None, None], o, out)
+                lse = torch.where(part.rows[None], l_, lse)
+        empty = lse.isinf()
+        out = _zero_rows(out, empty.t(), mask)
+        lse = lse.masked_fill(empty, float("-inf")).to(float_acc(q.dtype))
+        out = out.view(B, T, Hq, D).transpose(1, 2)
+        return _poison_broken_rows(out, mask, B), lse.view(Hq, B, T).transpose(0, 1)
 
     def backward(self, dout, q, k, v, out, lse, mask, scale):
         """dout, out: (B, Hq, T, D); lse: (B, Hq, T) -> dq (B, Hq, T, D), dk, dv (B, Hkv, S, D)."""
@@ -260,9 +330,7 @@ class CudaFlashBackend(Backend):
         # Back to the kernel's marker for empty rows: with +inf their weights exp(x - lse) are 0, not inf.
         empty = lse == float("-inf")
         lse = lse.to(float_acc(q.dtype)).masked_fill(empty, float("inf"))
-        parts, reason = plan(mask, B)
-        if reason is not None:
-            raise ValueError(f"cuda_flash cannot serve this mask: {reason}")
+        parts = plan(mask, B, Hq, Hkv)
         if parts is None:
             left, right = _window(mask, causal)
             dq, dk, dv = bwd(_bthd(dout), _bthd(q), _bthd(k), _bthd(v), _bthd(out), lse.contiguous(), None, None,
@@ -270,31 +338,32 @@ class CudaFlashBackend(Backend):
                              window_size_right=right)
             return _zero_rows(dq.transpose(1, 2), empty, mask), dk.transpose(1, 2), dv.transpose(1, 2)
         lse_rows = lse.transpose(0, 1).reshape(Hq, B * T)  # varlen layout (Hq, total)
-        dq = q.new_zeros(B * T, Hq, D)
-        dkv = None  # (dk, dv) over the flat (B*S) keys, accumulated in float32 when parts share keys
+        dq = dkv = None
         for part in parts:
             part = part.to(q.device)
             left, right = _window(mask, part.causal)
-            rows = lse_rows if part.q_index is None else lse_rows.index_select(1, part.q_index)
-            g_q, g_k, g_v = bwd(_flat(dout, part.q_index), _flat(q, part.q_index), _flat(k, part.k_index),
-                                _flat(v, part.k_index), _flat(out, part.q_index), rows.contiguous(), part.cu_q,
-                                part.cu_k, part.max_q, part.max_k, 0.0, part.causal, rng, unused, scale=scale,
-                                window_size_left=left, window_size_right=right)
-            g_q = _zero_rows(g_q, rows.isinf().t(), mask)
-            if part.q_index is None:
-                dq = g_q
+            if part.fold:
+                rows = lse.reshape(1, B * Hq)
             else:
-                dq.index_copy_(0, part.q_index, g_q)
-            if len(parts) == 1 and part.k_index is None:
-                dkv = (g_k, g_v)
-                continue
+                rows = lse_rows if part.q_index is None else lse_rows.index_select(1, part.q_index)
+            g_q, g_k, g_v = bwd(_rows(dout, part, part.q_index), _rows(q, part, part.q_index),
+                                _rows(k, part, part.k_index), _rows(v, part, part.k_index),
+                                _rows(out, part, part.q_index), rows.contiguous(), part.cu_q, part.cu_k, part.max_q,
+                                part.max_k, 0.0, part.causal, rng, unused, scale=scale, window_size_left=left,
+                                window_size_right=right)
+            if part.fold:  # the only part: back to (B, H, L, D) directly
+                dq = _zero_rows(g_q.view(B, Hq, T, D), empty, mask)
+                return dq, g_k.view(B, Hkv, S, D), g_v.view(B, Hkv, S, D)
+            if part.q_index is not None:
+                g_q = q.new_zeros(B * T, Hq, D).index_copy_(0, part.q_index, g_q)
+            dq = g_q if dq is None else torch.where(part.rows[:, None, None], g_q, dq)
+            if part.k_index is not None:
+                g_k, g_v = (torch.zeros(B * S, Hkv, D, dtype=g.dtype, device=g.device).index_add_(0, part.k_index, g)
+                            for g in (g_k, g_v))
             if dkv is None:
-                acc = float_acc(k.dtype) if len(parts) > 1 else k.dtype
-                dkv = tuple(torch.zeros(B * S, Hkv, D, dtype=acc, device=k.device) for _ in range(2))
-            for full, grad in zip(dkv, (g_k, g_v)):
-                if part.k_index is None:
-                    full += grad
-                else:
-                    full.index_add_(0, part.k_index, grad.to(full.dtype))
+                dkv = (g_k, g_v) if len(parts) == 1 else tuple(g.to(float_acc(k.dtype)) for g in (g_k, g_v))
+            else:  # keys seen by both calls: summed in float32, rounded once
+                dkv = tuple(a + b.to(a.dtype) for a, b in zip(dkv, (g_k, g_v)))
+        dq = _zero_rows(dq, empty.transpose(1, 2).reshape(B * T, Hq), mask)
         back = (lambda x, n: x.view(B, n, x.shape[1], D).transpose(1, 2))  # noqa: E731
         return back(dq, T), back(dkv[0].to(k.dtype), S), back(dkv[1].to(v.dtype), S)

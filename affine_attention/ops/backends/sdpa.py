@@ -1,11 +1,24 @@
-"""torch SDPA: the fastest path where it fits (no mask, or causal with T == S, or one decoding query); no lse."""
+"""torch SDPA: the fastest path where it fits (no mask, or causal with T == S, or one decoding query); no lse.
+
+On CUDA it runs restricted to the flash, memory-efficient and math kernels: torch 2.11 prefers cuDNN attention on
+H100/H200, which has open NaN-gradient and wrong-output bugs, and this library promises never to use it.
+"""
 from __future__ import annotations
 
 from torch import Tensor
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..masks import MaskSpec
 from .base import Backend, Call
+
+#: The SDPA kernels allowed on CUDA (torch tries them in its own order of preference).
+CUDA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _restricted(q: Tensor) -> bool:
+    """Whether this call runs with SDPA restricted to CUDA_KERNELS (CUDA only: elsewhere there is no cuDNN)."""
+    return q.device.type == "cuda"
 
 
 class SdpaBackend(Backend):
@@ -29,5 +42,8 @@ class SdpaBackend(Backend):
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float) -> Tensor:
         causal = mask.causal and not mask.causal_is_trivial
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        if not _restricted(q):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+        with sdpa_kernel(CUDA_KERNELS):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
