@@ -43,10 +43,14 @@ def _whole_bias(mask: MaskSpec, dtype: torch.dtype) -> tuple[Tensor | None, bool
 
 
 def _plan(mask: MaskSpec, device: torch.device) -> list[tuple[int, int, int, int]]:
-    """Blocks (start, stop, key_lo, key_hi): queries start..stop-1 see only keys key_lo..key_hi-1.
+    """Blocks (start, stop, key_lo, key_hi): queries start..stop-1 see only keys key_lo..key_hi-1; derived once per
+    mask object (so once per model forward at the seam, for forward and backward of every layer)."""
+    return mask.derived(("cpu_flash.blocks", device), lambda: _blocks(mask, device))
 
-    Causal and window bound the band from the shapes alone; documents narrow it further from the ids (one host
-    sync per call, skipped under torch.compile, where the wider shape-only band with its bias is still exact).
+
+def _blocks(mask: MaskSpec, device: torch.device) -> list[tuple[int, int, int, int]]:
+    """See `_plan`. Causal and window bound the band from the shapes alone; documents narrow it further from the
+    ids (one host sync, skipped under torch.compile, where the wider shape-only band with its bias is still exact).
     """
     starts = list(range(0, mask.T, BLOCK))
     bands = [mask.static_key_range(a, min(mask.T, a + BLOCK)) for a in starts]
