@@ -1,5 +1,6 @@
 """The one prepared check for a lent GPU machine: install, the CUDA tests, then one markdown table of the attention
-kernels (time ratios to the same kernel's plain softmax, peak memory, bf16-vs-float64 errors). Under 8 minutes.
+kernels (time ratios to the same kernel's plain softmax, peak memory, bf16-vs-float64 errors, which SDPA kernel ran)
+and a small table of the Triton epilogue against the eager one. Under 8 minutes.
 
 On the lent machine (one H200, Python 3.12, torch 2.11, no network), from the repository root:
 
@@ -11,330 +12,188 @@ CPU dry run (CI; the same code paths on tiny sizes, well under a minute):
 
     python3 benchmarks/gpu_check.py --device cpu --quick
 
+It never loses a run: every subprocess has a timeout (pip, pytest, each group); the report is rewritten atomically
+after every row (a kill keeps each finished row, and its last line names the group that was running); each
+configuration group runs in a fresh Python process (benchmarks/gpu_check_worker.py), so a sticky CUDA error, a crash
+or a hang costs that group only, recorded as a `failed: ...` row; full tracebacks and stack dumps go to
+<out>.tracebacks.txt, the CUDA tests' output to <out>.pytest.txt, each group's output to <out>.workers/, events to
+<out>.log. It exits 0 whatever the measurements do (1 only if this script itself fails, 2 without the asked-for
+CUDA device) and prints the report's path last.
+
 Rows: bf16, D = 128, T in {1024, 1088, 4096, 16384} (1088 = 8.5 x 128: a partial last kernel block), B = 16384 // T,
 Hq/Hkv in {32/8, 16/16}, masks causal / padded (right padding of 1/8..4/8 of each row) / 8 documents per row /
 window 4096 (equal to causal while T <= 4096). Every variant is forced onto one kernel backend (cuda_flash on a GPU)
 and timed against that backend's plain softmax on the same inputs; "softmax (auto)" is the automatic choice (SDPA)
-on the same call. Errors: max |bf16 - float64| / max |float64| over the first two batch rows, at T <= 1088 only
-(the float64 reference materialises T x T weights).
+on the same call. "backend" is the dispatcher's choice; "sdpa kernel" what SDPA ran (profiled) on rows the sdpa
+backend serves. Errors: max |bf16 - float64| / max |float64| over the first two batch rows, at T <= 1088 only
+(the float64 reference materialises T x T weights). Epilogue table: B = 4, Hq/Hkv = 32/8, T = 4096.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
+import fnmatch
+import json
 import os
-import platform
-import random
-import statistics
+import re
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from gpu_check_worker import STARTUP_S, Worker, run_group, worker_main  # noqa: E402  (stdlib only at import time)
+
+COLUMNS = ["T", "B", "Hq/Hkv", "mask", "variant", "backend", "sdpa kernel", "fwd ms", "fwd / softmax", "fwd+bwd ms",
+           "fwd+bwd / softmax", "peak MiB fwd+bwd", "err out", "err dq", "err dk", "err dv", "err dsinks/dalpha"]
+NUM_COLUMNS = ["dtype", "gate", "B, Hq/Hkv, T, D", "out", "d out", "d alpha", "d alpha_ma", "d gate", "d v_mean",
+               "rel eager vs float64", "rel triton vs float64"]
+MASKS = ("causal", "padded", "documents", "window")
 
 
-def install() -> str:
+def run_to_file(cmd: list[str], path: str, timeout: float, env: dict, interrupt=signal.SIGINT) -> tuple[int, bool]:
+    """Run cmd with its output appended to `path` as it comes (a file, not a pipe: a timeout keeps it); past
+    `timeout` send `interrupt` (pytest then prints its summary), then kill. Returns (exit code, timed out)."""
+    with open(path, "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait(timeout=timeout), False
+        except subprocess.TimeoutExpired:
+            proc.send_signal(interrupt)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            return proc.returncode, True
+
+
+def install(log, env: dict, timeout: float = 90.0) -> str:
     """pip install --no-deps -e . (torch, transformers and triton are already on the lent machine). Offline, build
-    isolation cannot fetch setuptools, so the installed one is tried first. Returns one line for the report."""
-    base = [sys.executable, "-m", "pip", "install", "--no-deps", "-e", ROOT]
-    for cmd in (base[:5] + ["--no-build-isolation"] + base[5:], base):
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode == 0:
-            return f"installed: `{' '.join(cmd[2:])}`"
-    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
-    return f"install failed (exit {done.returncode}: {tail[0][:200]}); running from the source tree instead"
+    isolation cannot fetch setuptools, so the installed one (and no index) is tried first; pip has no overall
+    timeout of its own, hence the subprocess's. Returns one line for the report."""
+    base = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-input", "--disable-pip-version-check",
+            "--timeout", "10", "--retries", "0"]
+    for extra in (["--no-build-isolation", "--no-index"], []):
+        cmd = base + extra + ["-e", ROOT]
+        code, timed_out = run_to_file(cmd, log.path, timeout, env)
+        if code == 0 and not timed_out:
+            return f"installed: `pip install {' '.join(cmd[4:-2])} -e .`"
+        log(f"install attempt {'timed out' if timed_out else f'exit {code}'}")
+    return (f"install failed ({'timed out' if timed_out else f'exit {code}'}; see {os.path.basename(log.path)}); "
+            "running from the source tree instead")
 
 
-def run_cuda_tests(paths: list[str], timeout: float) -> str:
-    """The tests marked `cuda` (they skip without a GPU); returns pytest's summary line."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE",
+def run_cuda_tests(paths: list[str], out_path: str, timeout: float, env: dict) -> str:
+    """The tests marked `cuda` (they skip without a GPU), output streamed to out_path; pytest's summary line."""
+    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "cuda", "-p", "no:cacheprovider", "-rfE",
            "--continue-on-collection-errors", *paths]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    try:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return f"CUDA tests: timed out after {timeout:.0f} s"
-    lines = [ln for ln in done.stdout.strip().splitlines() if ln.strip()]
+    open(out_path, "w").close()
+    code, timed_out = run_to_file(cmd, out_path, timeout, env)
+    lines = [ln.strip() for ln in open(out_path, errors="replace").read().splitlines() if ln.strip()]
     failures = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
-    summary = lines[-1] if lines else done.stderr.strip()[-300:]
-    text = f"CUDA tests (`pytest -m cuda {' '.join(paths)}`, exit {done.returncode}): {summary}"
+    summaries = [ln for ln in lines if ln.startswith("=") and (" in " in ln or "passed" in ln or "skipped" in ln)]
+    summary = summaries[-1].strip("= ") if summaries else (lines[-1][:300] if lines else "no output")
+    name = os.path.basename(out_path)
+    if timed_out:
+        done = {k: sum(ln.endswith(k) or f" {k} " in ln for ln in lines) for k in ("PASSED", "FAILED", "SKIPPED")}
+        statuses = (*done, "ERROR", "XFAIL", "XPASS")
+        running = [ln.split()[0] for ln in lines if "::" in ln and not any(k in ln for k in statuses)]
+        text = (f"CUDA tests (`pytest -m cuda {' '.join(paths)}`): timed out after {timeout:.0f} s, partial output in "
+                f"{name} ({', '.join(f'{v} {k.lower()}' for k, v in done.items())} before it"
+                f"{'; it was running ' + running[-1] if running else ''}; last: {summary})")
+    else:
+        text = f"CUDA tests (`pytest -m cuda {' '.join(paths)}`, exit {code}): {summary} (output in {name})"
     return "\n".join([text] + [f"  {ln}" for ln in failures[:20]])
 
 
-# --- inputs and masks ---
+class Log:
+    """Timestamped events, appended and flushed (subprocess output shares the file), echoed to stdout."""
 
-def make_case(B, Hq, Hkv, T, D, mask, window, device, dtype, seed=0):
-    """Inputs q: (B, Hq, T, D), k, v: (B, Hkv, T, D), sinks: (Hq,), alpha: (B, Hq, T), alpha_ma: (Hq,), and the
-    op keyword arguments of `mask`."""
-    import torch
+    def __init__(self, path: str, start: float):
+        self.path, self.start = path, start
+        open(path, "w").close()
 
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape):
-        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
-
-    tensors = {"q": r(B, Hq, T, D), "k": r(B, Hkv, T, D), "v": r(B, Hkv, T, D),
-               "sinks": torch.randn(Hq, generator=g).to(device) + 2.0,
-               "alpha": torch.rand(B, Hq, T, generator=g).to(device), "alpha_ma": torch.full((Hq,), 0.5, device=device)}
-    kw = {"is_causal": True}
-    if mask == "padded":  # right padding: row b keeps its first T - (b % 4 + 1) * T / 8 keys
-        valid = torch.arange(T)[None, :] < (T - (torch.arange(B)[:, None] % 4 + 1) * T // 8)
-        kw["attn_mask"] = valid[:, None, None, :].to(device)
-    elif mask == "documents":  # 8 documents per row, random lengths
-        cuts = torch.stack([torch.randperm(T - 1, generator=g)[:7].sort().values + 1 for _ in range(B)])
-        ids = torch.zeros(B, T, dtype=torch.long)
-        for j in range(7):
-            ids += (torch.arange(T)[None, :] >= cuts[:, j:j + 1]).long()
-        kw["document_ids"] = ids.to(device)
-    elif mask == "window":
-        kw["window"] = window
-    return tensors, kw
+    def __call__(self, message: str, echo: bool = True) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"[{time.monotonic() - self.start:7.1f} s] {message}\n")
+        if echo:
+            print(message, flush=True)
 
 
-def variants():
-    from affine_attention.ops import affine_scaled_attention, sink_attention, softmax_attention
+class Tracebacks:
+    """<out>.tracebacks.txt, created at the first failure; each entry numbered so a table cell can point to it."""
 
-    return {
-        "softmax": (lambda t, kw, be: softmax_attention(t["q"], t["k"], t["v"], enable_gqa=True, backend=be, **kw),
-                    ()),
-        "sink": (lambda t, kw, be: sink_attention(t["q"], t["k"], t["v"], t["sinks"], enable_gqa=True, backend=be,
-                                                  **kw), ("sinks",)),
-        "affine": (lambda t, kw, be: affine_scaled_attention(t["q"], t["k"], t["v"], t["alpha"], t["alpha_ma"],
-                                                             enable_gqa=True, backend=be, **kw), ("alpha",)),
-    }
+    def __init__(self, path: str):
+        self.path, self.n = path, 0
 
-
-def references():
-    from affine_attention.ops import (
-        affine_scaled_attention_reference, sink_attention_reference, softmax_attention_reference,
-    )
-
-    return {
-        "softmax": lambda t, kw: softmax_attention_reference(t["q"], t["k"], t["v"], enable_gqa=True, **kw)[0],
-        "sink": lambda t, kw: sink_attention_reference(t["q"], t["k"], t["v"], t["sinks"], enable_gqa=True, **kw)[0],
-        "affine": lambda t, kw: affine_scaled_attention_reference(t["q"], t["k"], t["v"], t["alpha"], t["alpha_ma"],
-                                                                  enable_gqa=True, **kw)[0],
-    }
+    def add(self, title: str, text: str) -> str:
+        self.n += 1
+        with open(self.path, "a") as f:
+            f.write(f"=== #{self.n} {title} ===\n{text.rstrip()}\n\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return f"traceback #{self.n} in {os.path.basename(self.path)}"
 
 
-def served_by(t, kw, needs_lse: bool, forced: str | None) -> str:
-    """The backend the dispatcher picks for this call (the forced one, or the automatic choice)."""
-    from affine_attention.ops.backends import Call, select
-    from affine_attention.ops.masks import parse_mask
+class Report:
+    """The markdown report, rewritten whole and atomically (temp file + os.replace) after every change, so the
+    file on disk is always a complete document with every row finished so far."""
 
-    q, k = t["q"], t["k"]
-    B, Hq, T, _ = q.shape
-    mask = parse_mask(kw.get("attn_mask"), kw.get("is_causal", False), B, Hq, T, k.shape[2], q.device,
-                      window=kw.get("window"), document_ids=kw.get("document_ids"))
-    return select(Call.of(q, k, mask, needs_lse), forced).name
+    def __init__(self, path: str, order: list[str]):
+        self.path, self.order = path, order
+        self.env, self.steps, self.notes, self.status = "environment: not known yet", [], [], ""
+        self.rows: dict[str, list[list[str]]] = {gid: [] for gid in order}
+        self.numerics: list[list[str]] = []
 
+    def add(self, table: str, gid: str, cells: dict) -> str:
+        cols = COLUMNS if table == "main" else NUM_COLUMNS
+        row = [str(cells.get(c, "—")).replace("|", "/").replace("\n", " ") for c in cols]
+        (self.rows[gid] if table == "main" else self.numerics).append(row)
+        self.write()
+        return "| " + " | ".join(row) + " |"
 
-# --- timing and memory ---
+    def render(self) -> str:
+        out = ["# gpu_check", "", self.env, ""] + [s + "\n" for s in self.steps]
+        out += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        out += ["| " + " | ".join(r) + " |" for gid in self.order for r in self.rows[gid]]
+        if self.numerics:
+            out += ["", "Triton epilogue vs eager, forward and backward (per tensor: max abs / max rel of triton - "
+                    "eager; the last two columns: max rel over the tensors against the float64 eager epilogue):", "",
+                    "| " + " | ".join(NUM_COLUMNS) + " |", "|" + "---|" * len(NUM_COLUMNS)]
+            out += ["| " + " | ".join(r) + " |" for r in self.numerics]
+        return "\n".join(out + [""] + self.notes + ["", self.status, ""])
 
-def timer(device):
-    """fn -> seconds of one call: CUDA events on a GPU, perf_counter around a synchronisation elsewhere."""
-    import torch
-
-    if device.type == "cuda":
-        def measure(fn):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            return start.elapsed_time(stop) / 1e3
-        return measure
-
-    def measure(fn):
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    return measure
-
-
-def paired_times(methods: dict, baseline: str, device, repeats: int, warmup: int) -> dict[str, tuple[float, float]]:
-    """Per method (median seconds, median ratio to the baseline timed in the same repeat, order shuffled)."""
-    measure = timer(device)
-    rng = random.Random(0)
-    for fn in methods.values():
-        for _ in range(warmup):
-            fn()
-    times = {name: [] for name in methods}
-    for _ in range(repeats):
-        order = list(methods)
-        rng.shuffle(order)
-        for name in order:
-            times[name].append(measure(methods[name]))
-    base = times[baseline]
-    return {n: (statistics.median(ts), statistics.median(a / b for a, b in zip(ts, base))) for n, ts in times.items()}
+    def write(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(self.render())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
 
 
-def peak_mib(fn, device) -> float:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import peak_memory_bytes
-
-    return peak_memory_bytes(fn, device) / 2**20
-
-
-def leaves(t, extra_names):
-    return [t["q"], t["k"], t["v"]] + [t[n] for n in extra_names]
-
-
-def step(fn, t, kw, backend, extra_names, backward: bool):
-    """One forward (no_grad) or forward+backward call of a variant."""
-    import torch
-
-    if not backward:
-        def fwd():
-            with torch.no_grad():
-                return fn(t, kw, backend)
-        return fwd
-    inputs = leaves(t, extra_names)
-
-    def fwd_bwd():
-        out = fn(t, kw, backend)
-        return torch.autograd.grad(out, inputs, torch.ones_like(out))
-    return fwd_bwd
-
-
-def errors(name, fn, ref_fn, t, kw, backend, extra_names, rows=2) -> list[float]:
-    """max |low - float64| / max |float64| of out and every gradient, on the first `rows` batch rows."""
-    import torch
-
-    def sl(x):
-        return x[:rows] if x.dim() >= 2 and x.shape[0] == t["q"].shape[0] else x
-
-    small = {n: sl(x).detach() for n, x in t.items()}
-    kw_small = {n: (sl(x) if torch.is_tensor(x) else x) for n, x in kw.items()}
-    low = {n: (x.clone().requires_grad_(n in ("q", "k", "v") + extra_names)) for n, x in small.items()}
-    high = {n: (x.double().requires_grad_(n in ("q", "k", "v") + extra_names)) for n, x in small.items()}
-    out = fn(low, kw_small, backend)
-    ref = ref_fn(high, kw_small)
-    g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(ref.device)
-    got = torch.autograd.grad(out, leaves(low, extra_names), g.to(out.dtype))
-    want = torch.autograd.grad(ref, leaves(high, extra_names), g)
-    return [((a.double() - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
-            for a, b in zip((out,) + got, (ref,) + want)]
-
-
-# --- the table ---
-
-COLUMNS = ["T", "B", "Hq/Hkv", "mask", "variant", "backend", "fwd ms", "fwd / softmax", "fwd+bwd ms",
-           "fwd+bwd / softmax", "peak MiB fwd+bwd", "err out", "err dq", "err dk", "err dv", "err dsinks/dalpha"]
-
-
-def fmt(x, spec):
-    return "—" if x is None else format(x, spec)
-
-
-def bench_config(args, device, dtype, T, Hq, Hkv, mask, forced):
-    import torch
-
-    B = max(1, args.tokens // T)
-    t, kw = make_case(B, Hq, Hkv, T, args.head_dim, mask, args.window, device, dtype)
-    for n in ("q", "k", "v", "sinks", "alpha"):
-        t[n].requires_grad_()
-    vs, refs = variants(), references()
-    kernel = {}  # variant -> the backend that serves it (forced when it can, else the automatic choice)
-    for name in vs:
-        try:
-            served_by(t, kw, name == "sink", forced)
-            kernel[name] = forced
-        except ValueError:
-            kernel[name] = None
-    methods = {(name, bwd): step(fn, t, kw, kernel[name], extras, bwd) for name, (fn, extras) in vs.items()
-               for bwd in (False, True)}
-    auto = mask == "causal"  # the automatic choice for plain softmax (SDPA), against the same kernel's softmax
-    if auto:
-        methods.update({("softmax (auto)", bwd): step(vs["softmax"][0], t, kw, None, (), bwd) for bwd in (False, True)})
-    timed = {}
-    for bwd in (False, True):
-        group = {name: fn for (name, b), fn in methods.items() if b == bwd}
-        timed[bwd] = paired_times(group, "softmax", device, args.repeats, args.warmup)
-    rows = []
-    for name in [*vs, *(["softmax (auto)"] if auto else [])]:
-        base = name if name in vs else "softmax"
-        extras = vs[base][1]
-        backend = served_by(t, kw, base == "sink", kernel.get(name))
-        mem = peak_mib(methods[(name, True)], device)
-        errs = [None] * 5
-        if T <= args.error_max_t and name in vs:
-            e = errors(name, vs[name][0], refs[name], t, kw, kernel[name], extras)
-            errs = e + [None] * (5 - len(e))
-        fwd, fb = timed[False][name], timed[True][name]
-        rows.append([str(T), str(B), f"{Hq}/{Hkv}", mask, name, backend, fmt(fwd[0] * 1e3, ".3f"),
-                     fmt(fwd[1], ".3f"), fmt(fb[0] * 1e3, ".3f"), fmt(fb[1], ".3f"), fmt(mem, ".0f"),
-                     *[fmt(x, ".1e") for x in errs]])
-    del t, kw, methods
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return rows
-
-
-def epilogue_rows(args, device, dtype, forced) -> list[list[str]]:
-    """affine with each fused-epilogue implementation vs the kernel alone (softmax), if the module exists."""
-    if importlib.util.find_spec("affine_attention.ops.epilogue") is None:
-        return []
-    epi = importlib.import_module("affine_attention.ops.epilogue")
-    use, impls = getattr(epi, "use_epilogue", None), getattr(epi, "IMPLS", ())
-    if use is None:
-        return []
-    T, Hq, Hkv = args.lengths[0], args.heads[0][0], args.heads[0][1]
-    B = max(1, args.tokens // T)
-    t, kw = make_case(B, Hq, Hkv, T, args.head_dim, "causal", args.window, device, dtype)
-    for n in ("q", "k", "v", "alpha"):
-        t[n].requires_grad_()
-    vs = variants()
-    rows = []
-    for impl in impls:
-        if impl == "triton" and device.type != "cuda":
-            continue
-
-        def under(fn, impl=impl):
-            def go():
-                with use(impl):
-                    return fn()
-            return go
-        res = {}
-        for bwd in (False, True):
-            group = {"softmax": step(vs["softmax"][0], t, kw, forced, (), bwd),
-                     "affine": under(step(vs["affine"][0], t, kw, forced, ("alpha",), bwd))}
-            res[bwd] = paired_times(group, "softmax", device, args.repeats, args.warmup)["affine"]
-        rows.append([str(T), str(B), f"{Hq}/{Hkv}", "causal", f"affine (epilogue {impl})", forced or "auto",
-                     fmt(res[False][0] * 1e3, ".3f"), fmt(res[False][1], ".3f"), fmt(res[True][0] * 1e3, ".3f"),
-                     fmt(res[True][1], ".3f"), "—", "—", "—", "—", "—", "—"])
-    return rows
-
-
-def guarded(fn, fn_args, key: list[str]) -> list[list[str]]:
-    """fn's rows, or one row saying how it failed: one broken configuration must not cost the whole table."""
-    try:
-        return fn(*fn_args)
-    except Exception as e:  # noqa: BLE001  (reported in the table, never hidden)
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        message = f"{type(e).__name__}: {e}".replace("|", "/").replace("\n", " ")[:160]
-        return [key + ["FAILED", message] + ["—"] * (len(COLUMNS) - len(key) - 2)]
-
-
-def versions(device) -> str:
-    import torch
-
-    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}"]
-    for mod in ("transformers", "triton", "flash_attn"):
-        try:
-            parts.append(f"{mod} {importlib.import_module(mod).__version__}")
-        except Exception:  # noqa: BLE001  (absent or broken: say so, never fail the check)
-            parts.append(f"{mod} not available")
-    if device.type == "cuda":
-        parts.insert(0, f"{torch.cuda.get_device_name()} (sm {'.'.join(map(str, torch.cuda.get_device_capability()))},"
-                        f" CUDA {torch.version.cuda})")
-    else:
-        parts.insert(0, f"CPU dry run ({platform.machine()}, {torch.get_num_threads()} threads)")
-    return ", ".join(parts)
+def plan(args) -> list[dict]:
+    """The jobs in run order: the epilogue numerics (small, new), every (T, heads, mask) group, the epilogue
+    timing rows; each with the key cells its failure row carries."""
+    jobs = [{"kind": "numerics", "id": "epilogue-numerics", "table": "numerics", "key": {"dtype": "all"}}]
+    for T in args.lengths:
+        for Hq, Hkv in args.heads:
+            for mask in MASKS:
+                key = {"T": str(T), "B": str(max(1, args.tokens // T)), "Hq/Hkv": f"{Hq}/{Hkv}", "mask": mask,
+                       "variant": "all"}
+                jobs.append({"kind": "config", "id": f"T{T}-{Hq}x{Hkv}-{mask}", "table": "main", "key": key,
+                             "T": T, "Hq": Hq, "Hkv": Hkv, "mask": mask})
+    T, (Hq, Hkv) = args.lengths[0], args.heads[0]
+    jobs.append({"kind": "epilogue", "id": "epilogue", "table": "main", "T": T, "Hq": Hq, "Hkv": Hkv,
+                 "key": {"T": str(T), "B": str(max(1, args.tokens // T)), "Hq/Hkv": f"{Hq}/{Hkv}", "mask": "causal",
+                         "variant": "all"}})
+    return [j for j in jobs if not args.only or any(fnmatch.fnmatchcase(j["id"], p) for p in args.only)]
 
 
 def parse_args(argv=None):
@@ -345,81 +204,160 @@ def parse_args(argv=None):
     p.add_argument("--tests", nargs="*", default=None,
                    help="paths for `pytest -m cuda` (default: the test files that use the marker; an empty list "
                         "skips them)")
-    p.add_argument("--out", default=None, help="also write the report (markdown) to this file")
-    p.add_argument("--budget-s", type=float, default=420.0, help="stop adding rows after this many seconds")
+    p.add_argument("--tests-timeout-s", type=float, default=None, help="default: min(240, budget / 2)")
+    p.add_argument("--out", default=None, help="the report (markdown); default: gpu_check.md in a new temp folder")
+    p.add_argument("--only", nargs="*", default=None, help="run only the groups whose id matches one of these fnmatch "
+                   "patterns (ids: epilogue-numerics, T1024-32x8-causal, ..., epilogue)")
+    p.add_argument("--budget-s", type=float, default=420.0, help="start no group after this many seconds")
+    p.add_argument("--deadline-s", type=float, default=500.0, help="kill a group still running at this time")
+    p.add_argument("--group-timeout-s", type=float, default=150.0, help="kill a group running longer than this")
+    p.add_argument("--inject-failure", action="append", default=[], help=argparse.SUPPRESS)  # tests only
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one group (see the worker)
+    p.add_argument("--worker-versions", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.tests is None:  # the test files that mark tests `cuda` (importing the others needs packages not there)
+    if a.tests is None and not a.worker:  # the files that mark tests `cuda` (importing others needs packages not there)
+        marked = re.compile(r"^\s*(@pytest\.mark\.cuda\b|pytestmark\s*=.*\bmark\.cuda\b)", re.M)
         a.tests = sorted(os.path.join("tests", f) for f in os.listdir(os.path.join(ROOT, "tests"))
                          if f.startswith("test_") and f.endswith(".py")
-                         and "mark.cuda" in open(os.path.join(ROOT, "tests", f)).read())
+                         and marked.search(open(os.path.join(ROOT, "tests", f)).read()))
     if a.quick:
         a.lengths, a.heads, a.head_dim, a.tokens, a.window = [96], [(4, 2)], 128, 192, 32
-        a.repeats, a.warmup, a.error_max_t = 1, 1, 96
+        a.repeats, a.warmup, a.error_max_t, a.numerics_t = 1, 1, 96, 96
     else:
         a.lengths, a.heads, a.head_dim, a.tokens, a.window = [1024, 1088, 4096, 16384], [(32, 8), (16, 16)], 128, \
             16384, 4096
-        a.repeats, a.warmup, a.error_max_t = 5, 2, 1088
+        a.repeats, a.warmup, a.error_max_t, a.numerics_t = 5, 2, 1088, 4096
     return a
 
 
-class Report:
-    """Prints each line as soon as it is known (and appends it to --out), so a run cut short keeps its rows."""
+class Stopped(Exception):
+    """SIGTERM arrived (a polite kill at a time limit): end like a finished run, with what is done."""
 
-    def __init__(self, path: str | None):
-        self.path = path
-        if path:
-            open(path, "w").close()
 
-    def __call__(self, line: str = "") -> None:
-        print(line, flush=True)
-        if self.path:
-            with open(self.path, "a") as f:
-                f.write(line + "\n")
+def failure_cells(job: dict, label: str, text: str) -> dict:
+    """The row that stands for a failed (part of a) group: its key, `label` as variant, `text` in the first cell."""
+    if job["table"] == "main":
+        return dict(job["key"], variant=label, backend=text)
+    return dict(job["key"], dtype=label, out=text)
+
+
+def orchestrate(args, report: Report, log: Log, tracebacks: Tracebacks, start: float, live: list) -> int:
+    """Install, the CUDA tests, then every group of plan() in its own worker (the next one starting while the
+    current one runs), each outcome into the report as it comes."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+    folder = args.out + ".workers"
+    os.makedirs(folder, exist_ok=True)
+    cmd = [sys.executable, os.path.abspath(__file__), "--device", args.device] + ["--quick"] * args.quick
+    cmd += [f"--inject-failure={s}" for s in args.inject_failure]
+
+    def spawn(versions=False):
+        live.append(Worker(cmd + ["--worker-versions"] * versions, folder, env))
+        return live[-1]
+
+    if args.install:
+        report.steps.append(install(log, env))
+        log(report.steps[-1])
+        report.write()
+    jobs = plan(args)
+    nxt = spawn(versions=True) if jobs else None  # it imports torch while the tests run
+    if args.tests:
+        timeout = args.tests_timeout_s or min(240.0, args.budget_s / 2)
+        report.steps.append(run_cuda_tests(args.tests, args.out + ".pytest.txt", timeout, env))
+        log(report.steps[-1])
+        report.write()
+    if nxt is not None:
+        ready = nxt.wait_ready(time.monotonic() + STARTUP_S)
+        report.env = (ready or {}).get("versions") or (f"environment: unknown (the first worker did not get ready; "
+                                                       f"see {os.path.basename(folder)}/{nxt.name}.out)")
+        report.write()
+        if ready and args.device == "cuda" and not ready["cuda"]:
+            report.notes.append("no CUDA device: run with --device cpu for the dry run")
+            print(report.notes[-1], file=sys.stderr)
+            return 2
+    skipped = []
+    for i, job in enumerate(jobs):
+        gid, elapsed = job["id"], time.monotonic() - start
+        if elapsed > min(args.budget_s, args.deadline_s):
+            skipped.append(gid)
+            continue
+        w, nxt = nxt or spawn(), None
+        if i + 1 < len(jobs):
+            nxt = spawn()
+        report.status = (f"_in progress: group {gid} (worker {w.name}) since {elapsed:.0f} s; a report that ends here "
+                         f"was cut short_")
+        report.write()
+        log(f"group {gid}: worker {w.name}", echo=False)
+        got = {"rows": 0}
+
+        def handle(rec, job=job, got=got):
+            if "row" in rec:
+                got["rows"] += 1
+                log(report.add(rec["table"], job["id"], rec["row"]))
+            elif "failed" in rec:
+                f = rec["failed"]
+                short = f"{f['type']}: {f['message']}".replace("\n", " ")[:160]
+                ref = tracebacks.add(f"{job['id']} {json.dumps(f['key'])}", f["traceback"])
+                cell = "backend" if f["table"] == "main" else "out"
+                log(report.add(f["table"], job["id"], dict(f["key"], **{cell: f"failed: {short} ({ref})"})))
+            elif "fatal" in rec:
+                log(report.add(job["table"], job["id"], failure_cells(job, "(rest of group)", rec["fatal"])))
+            elif "note" in rec:
+                log(f"{job['id']}: {rec['note']}", echo=False)
+
+        outcome, secs = run_group(w, job, args.group_timeout_s, start + args.deadline_s, handle)
+        live.remove(w)
+        log(f"group {gid}: {outcome} after {secs:.1f} s ({got['rows']} rows)", echo=False)
+        if outcome != "done":
+            what = (f"timed out after {secs:.0f} s" + (" (the run's --deadline-s)" if outcome == "deadline" else "")
+                    if outcome in ("timeout", "deadline") else outcome[len("died: "):])
+            ref = tracebacks.add(f"{gid}: {what}", w.evidence())
+            cells = failure_cells(job, "(rest of group)" if got["rows"] else "all", f"failed: {what} ({ref})")
+            log(report.add(job["table"], gid, cells))
+    if nxt is not None:  # a prefetched worker with no job left: end of input is its signal to exit
+        nxt.proc.stdin.close()
+        try:
+            nxt.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            nxt.proc.kill()
+        live.remove(nxt)
+    if skipped:
+        report.notes.append(f"skipped (past the time budget {args.budget_s:.0f} s or the deadline "
+                            f"{args.deadline_s:.0f} s): " + "; ".join(skipped))
+    return 0
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
     start = time.monotonic()
-    installed = install() if args.install else None
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
-    import torch
+    args.out = os.path.abspath(args.out or os.path.join(tempfile.mkdtemp(prefix="gpu_check_"), "gpu_check.md"))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    report, log = Report(args.out, [j["id"] for j in plan(args)]), Log(args.out + ".log", start)
+    tracebacks, live = Tracebacks(args.out + ".tracebacks.txt"), []
+    report.write()
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: run with --device cpu for the dry run", file=sys.stderr)
-        return 2
-    device = torch.device(args.device)
-    say = Report(args.out)
-    say(f"# gpu_check\n\n{versions(device)}\n")
-    if installed:
-        say(installed + "\n")
-    if args.tests:
-        say(run_cuda_tests(args.tests, timeout=min(240.0, args.budget_s / 2)) + "\n")
-    if importlib.util.find_spec("affine_attention.ops.epilogue") is None:
-        say("affine epilogue: not available (no affine_attention.ops.epilogue)\n")
-    # On a GPU every variant runs on cuda_flash; on the CPU dry run the automatic choice (cpu_flash / exact).
-    forced = "cuda_flash" if device.type == "cuda" else None
-    dtype = torch.bfloat16
-    say("| " + " | ".join(COLUMNS) + " |")
-    say("|" + "---|" * len(COLUMNS))
-    skipped = []
-    for T in args.lengths:
-        for Hq, Hkv in args.heads:
-            for mask in ("causal", "padded", "documents", "window"):
-                if time.monotonic() - start > args.budget_s:
-                    skipped.append(f"T={T} {Hq}/{Hkv} {mask}")
-                    continue
-                for row in guarded(bench_config, (args, device, dtype, T, Hq, Hkv, mask, forced),
-                                   [str(T), "—", f"{Hq}/{Hkv}", mask]):
-                    say("| " + " | ".join(row) + " |")
-    if time.monotonic() - start < args.budget_s:
-        for row in guarded(epilogue_rows, (args, device, dtype, forced), ["—", "—", "—", "causal"]):
-            say("| " + " | ".join(row) + " |")
-    if skipped:
-        say(f"\nskipped (time budget {args.budget_s:.0f} s): " + "; ".join(skipped))
-    say(f"\ntotal {time.monotonic() - start:.0f} s")
-    return 0
+    def on_term(*_):
+        raise Stopped("SIGTERM")
 
+    signal.signal(signal.SIGTERM, on_term)
+    code = 1
+    try:
+        code = orchestrate(args, report, log, tracebacks, start, live)
+    except Stopped:
+        report.notes.append(f"stopped by SIGTERM; {report.status.strip('_') or 'before the first group'}")
+        code = 143
+    except BaseException as e:  # noqa: BLE001  (this script's own bug: still keep every row, say where it broke)
+        ref = tracebacks.add("gpu_check itself", traceback.format_exc())
+        report.notes.append(f"gpu_check itself failed: {type(e).__name__}: {e} ({ref}); {report.status.strip('_')}")
+    finally:
+        for w in live:  # whatever still runs would outlive this report
+            if w.proc.poll() is None:
+                w.proc.kill()
+        report.status = f"total {time.monotonic() - start:.0f} s"
+        report.write()
+        log(f"report: {args.out}")
+    return code
 
 if __name__ == "__main__":
     sys.exit(main())
