@@ -122,7 +122,7 @@ def epilogue(out: Tensor, *, alpha: Tensor | None = None, alpha_ma: Tensor | Non
                              "(B, Hkv, T|1, D) or v (B, Hkv, S, D) together with mean=ValueMean(...)")
         if v is not None and not mean.has_transpose:
             raise ValueError("v with mean= recomputes the mean in backward only for prefix-sum masks (none, causal "
-                             "with T <= S, key padding); for this mask pass v_mean=mean(v) (autograd keeps it)")
+                             "with T <= S, key padding); for this mask pass v_mean=mean.of(v) (autograd keeps it)")
         if v_mean is not None:
             _check_affine(out, alpha, alpha_ma, tuple(v_mean.shape))
     return run_checked(select_impl(out.device, impl), out, alpha, alpha_ma, g, v_mean, v, mean)
@@ -160,7 +160,9 @@ def _forward(name, out, alpha, alpha_ma, gate, v_mean, v, mean) -> Tensor:
 
 class _Epilogue(torch.autograd.Function):
     """Forward through one implementation; backward recomputes the sums of V from v (when given so), calls the same
-    one, and maps their gradient to d v through the mean's hand-written transpose."""
+    one, and maps their gradient to d v through the mean's hand-written transpose. While compiling, forward returns
+    no tensor made by an in-place or out= op, nor a view of one: dynamo 2.11 silently gives such a Function zero
+    gradients for every input (2.13 does not)."""
 
     @staticmethod
     def forward(ctx, name, out, alpha, alpha_ma, gate, v_mean, v, mean):
@@ -211,7 +213,9 @@ class _eager:
         """y = a * out + b * m in acc as (B, Hm, G, T, D); in m's own buffer when it is owned and has y's shape."""
         B, Hm, G, T, _ = a.shape
         out5 = out.reshape(B, Hm, G, T, out.shape[-1])
-        if m_owned and m5.shape == out5.shape and m5.is_contiguous() and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # out of place (see _Epilogue); the graph plans its own buffers anyway
+            return torch.addcmul(torch.mul(as_dtype(out5, acc), a), b, m5)
+        if m_owned and m5.shape == out5.shape and m5.is_contiguous():
             return m5.mul_(b).addcmul_(out5, a)
         y = torch.mul(out5, a) if out.dtype == acc else out5.to(acc).mul_(a)
         return y.addcmul_(b, m5)
@@ -229,7 +233,8 @@ class _eager:
         B, Hq, T, D = out.shape
         y = _eager._combine(out, a, b, m5, acc, m_owned).view(B, Hq, T, D)
         if gate is not None:
-            y.mul_(gate)
+            # In place saves a (B, Hq, T, D) buffer in eager; while compiling it would zero every gradient (_Epilogue).
+            y = torch.mul(y, gate) if torch.compiler.is_compiling() else y.mul_(gate)
         return as_dtype(y, out.dtype)
 
     @staticmethod

@@ -1,10 +1,11 @@
 """The mean of visible V as the epilogue uses it: computed from v in forward and again in backward (never saved),
 with its transpose (d m -> d v) written out for the prefix-sum masks, in place, so backward allocates only d v;
 for other masks (window, documents, dense) the op differentiates the mean with autograd and the epilogue saves it.
+
+A plain class, not a frozen dataclass, and no __call__: dynamo 2.11 cannot call a frozen dataclass instance built
+inside the graph ("InternalTorchDynamoError: 'ValueMean' object has no attribute 'mask'").
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -12,7 +13,6 @@ from torch import Tensor
 from .masks import MaskSpec, visible_sum_and_count
 
 
-@dataclass(frozen=True)
 class ValueMean:
     """m = (sum of the values query i may see) / N_i, a linear map of v: (B, Hkv, S, D) -> (B, Hkv|Hq, T|1, D).
 
@@ -20,9 +20,13 @@ class ValueMean:
     "full" by S (an ablation).
     """
 
-    mask: MaskSpec
-    Hq: int
-    bias_norm: str = "visible"
+    __slots__ = ("mask", "Hq", "bias_norm")
+
+    def __init__(self, mask: MaskSpec, Hq: int, bias_norm: str = "visible"):
+        self.mask, self.Hq, self.bias_norm = mask, Hq, bias_norm
+
+    def __repr__(self) -> str:
+        return f"ValueMean(mask={self.mask!r}, Hq={self.Hq}, bias_norm={self.bias_norm!r})"
 
     def _inverse(self, count: Tensor) -> Tensor:
         """1 / N, rank 4, broadcastable to the sums: (B|1, 1, T|1, 1)."""
@@ -30,8 +34,9 @@ class ValueMean:
             return count.clamp(min=1).reciprocal()
         return count.new_full((1, 1, 1, 1), 1.0 / max(self.mask.S, 1))
 
-    def __call__(self, v: Tensor) -> Tensor:
-        """m, differentiable through autograd (used where the transpose below does not apply)."""
+    def of(self, v: Tensor) -> Tensor:
+        """m: (B, Hkv|Hq, T|1, D), differentiable through autograd (used where the transpose below does not
+        apply)."""
         total, count = visible_sum_and_count(v, self.mask, self.Hq)
         return total * self._inverse(count)
 

@@ -306,8 +306,10 @@ class CudaFlashBackend(Backend):
                 o, l_ = o.view(B * T, Hq, D), l_.reshape(B, Hq).t()
             l_ = l_.reshape(Hq, -1)
             if part.q_index is not None:  # documents wholly in the cache are left out: their rows stay empty
-                o = q.new_zeros(B * T, Hq, D).index_copy_(0, part.q_index, o)
-                l_ = torch.full((Hq, B * T), float("inf"), dtype=l_.dtype, device=q.device).index_copy_(
+                # Out of place: torch 2.11's dynamo gives a zero gradient to an autograd.Function whose output an
+                # in-place op made.
+                o = q.new_zeros(B * T, Hq, D).index_copy(0, part.q_index, o)
+                l_ = torch.full((Hq, B * T), float("inf"), dtype=l_.dtype, device=q.device).index_copy(
                     1, part.q_index, l_)
             if out is None:
                 out, lse = o, l_
