@@ -180,10 +180,43 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def grid(results: list[dict]) -> str:
+    """Markdown, compact (the README's form): a row per op, a column per mask; each cell gives, per result (torch
+    version, in order), the largest of the three errors, or "no" where fullgraph did not trace."""
+    header = [r.get("label") or f"torch {r['torch']}" for r in results]
+    by = [{(c["op"], c["mask"]): c for c in r["cells"]} for r in results]
+    ops = list(dict.fromkeys(op for b in by for op, _ in b))
+    masks = list(dict.fromkeys(mask for b in by for _, mask in b))
+
+    def cell(op, mask):
+        parts = []
+        for b in by:
+            c = b.get((op, mask))
+            if c is None:
+                parts.append("-")
+            elif not c["traced"]:
+                parts.append("**no**")
+            else:
+                worst = max(c["fwd"], c["grad"], c["nograd"])
+                text = "0" if worst == 0 else f"{worst:.0e}"
+                parts.append(text if cell_ok(c) else f"**{text}**")
+        return " / ".join(parts)
+
+    lines = ["| op | " + " | ".join(masks) + " |", "|---|" + "---|" * len(masks)]
+    lines += [f"| {op} | " + " | ".join(cell(op, m) for m in masks) + " |" for op in ops]
+    bad = [sum(not cell_ok(c) for c in r["cells"]) for r in results]
+    lines += ["", f"Each cell: {' / '.join(header)}: the largest |compiled - eager| over the forward, every gradient "
+              f"and the no_grad forward (fp32, {results[0]['backend']}, fullgraph=True); no = did not trace; bold = "
+              f"above {TOL:g}. Failing cells: " + ", ".join(f"{h}: {n} of {len(r['cells'])}"
+                                                           for h, r, n in zip(header, results, bad)) + "."]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write this run's results here")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="print the table of earlier runs, run nothing")
+    ap.add_argument("--grid", action="store_true", help="with --merge: the compact op x mask grid (README)")
     ap.add_argument("--label", help="this run's column header in merged tables (default: the torch version)")
     ap.add_argument("--backend", default="aot_eager", help="torch.compile backend (aot_eager, inductor)")
     ap.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS))
@@ -197,7 +230,7 @@ def main(argv=None) -> int:
             if any(r.get("label") == results[-1].get("label") and r["torch"] == results[-1]["torch"]
                    for r in results[:-1]):  # two runs of one version (before / after a fix): tell them apart
                 results[-1]["label"] = f"torch {results[-1]['torch']} ({Path(path).stem})"
-        print(table(results))
+        print(grid(results) if args.grid else table(results))
         return 0
     cells = []
     for op in args.ops:

@@ -1,11 +1,7 @@
 """The variant epilogue (ops/epilogue.py): its hand-written backward against autograd of the readable formula, the
-ops and variants that run through it against the reference in float64, the dispatch, and the Triton kernels under
-the interpreter (TRITON_INTERPRET=1, a subprocess so the flag is set before triton is imported)."""
+ops and variants that run through it against the reference in float64, and the dispatch. The Triton kernels are
+tested in test_triton_kernels.py."""
 import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -16,8 +12,6 @@ from affine_attention.ops.affine import attention_with_epilogue
 from affine_attention.ops.epilogue import epilogue, select_impl, use_epilogue
 from conftest import make_qkv
 from test_variants import _perturbed
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _assert_same_grads(out, ref, inputs, w=None, tol=1e-10):
@@ -249,58 +243,3 @@ def test_dispatch_is_explicit(monkeypatch):
     with pytest.raises(ValueError, match="mean of V must have shape"):
         epilogue(torch.zeros(1, 2, 3, 4), alpha=torch.zeros(1, 2, 3), alpha_ma=torch.zeros(2),
                  v_mean=torch.zeros(1, 2, 2, 4))
-
-
-TRITON_SCRIPT = textwrap.dedent("""
-    import torch
-    from affine_attention.ops.affine import attention_with_epilogue
-    from affine_attention.ops.epilogue import epilogue
-    torch.manual_seed(0)
-
-    def compare(dtype, B, Hq, Hm, T, Tm, D, gate_shape, affine, tol):
-        o = torch.randn(B, Hq, T, D, dtype=dtype, requires_grad=True)
-        a = torch.rand(B, T, Hq).transpose(1, 2).to(dtype).requires_grad_() if affine else None
-        am = torch.rand(Hq, dtype=dtype, requires_grad=True) if affine else None
-        m = torch.randn(B, Hm, Tm, D, dtype=dtype, requires_grad=True) if affine else None
-        g = torch.rand(*gate_shape, dtype=dtype, requires_grad=True) if gate_shape else None
-        ins = [t for t in (o, a, am, m, g) if t is not None]
-        w = torch.randn(B, Hq, T, D, dtype=dtype)
-        res = []
-        for impl in ("eager", "triton"):
-            y = epilogue(o, alpha=a, alpha_ma=am, v_mean=m, gate=g, impl=impl)
-            res.append((y,) + torch.autograd.grad(y, ins, w))
-        for x, z in zip(*res):
-            assert x.dtype == z.dtype and x.shape == z.shape, (x.dtype, z.dtype, x.shape, z.shape)
-            torch.testing.assert_close(x.double(), z.double(), rtol=tol, atol=tol)
-
-    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        compare(dtype, 2, 4, 2, 37, 37, 24, (2, 4, 37, 24), True, tol)   # GQA, elementwise gate, D not 2^k
-        compare(dtype, 2, 4, 1, 5, 1, 16, (2, 4, 5, 1), True, tol)       # decoding mean (T = 1), headwise
-        compare(dtype, 1, 4, 4, 1, 1, 8, (1, 4, 1, 1), True, tol)        # one query, per-head scale
-        compare(dtype, 2, 3, 3, 70, 70, 8, None, True, tol)              # affine alone, several T blocks
-        compare(dtype, 2, 4, 4, 9, 9, 8, (2, 4, 9, 8), False, tol)       # gated alone
-    # Through the op: the mean recomputed from V in backward, padding, T < S.
-    q, k, v = (torch.randn(2, 4, t, 8, dtype=torch.float64, requires_grad=True) for t in (5, 12, 12))
-    k, v = k[:, :2].detach().requires_grad_(), v[:, :2].detach().requires_grad_()
-    alpha = torch.rand(2, 4, 5, dtype=torch.float64, requires_grad=True)
-    am = torch.rand(4, dtype=torch.float64)
-    keys = torch.ones(2, 1, 1, 12, dtype=torch.bool)
-    keys[1, ..., :3] = False
-    res = []
-    for impl in ("eager", "triton"):
-        y = attention_with_epilogue(q, k, v, alpha=alpha, alpha_ma=am, attn_mask=keys, is_causal=True,
-                                    enable_gqa=True, epilogue_impl=impl)
-        res.append((y,) + torch.autograd.grad(y.square().sum(), (q, k, v, alpha)))
-    for x, z in zip(*res):
-        torch.testing.assert_close(x, z, rtol=1e-12, atol=1e-12)
-    print("triton epilogue ok")
-""")
-
-
-def test_triton_kernels_match_eager_under_the_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "triton epilogue ok" in r.stdout

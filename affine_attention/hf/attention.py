@@ -163,7 +163,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     if cache is not None and variant.uses_value_mean and mask.window is None and mask.causal:
         v_mean = value_cache.value_mean(cache, module.layer_idx, value, keys, T,
                                         getattr(variant.options, "bias_norm", "visible"),
-                                        kwargs.get(TRUSTED_KWARG, False))
+                                        kwargs.get(TRUSTED_KWARG, False), kwargs.get(packing.FORWARD_KWARG))
     out = variant(query, key, value, x, mask=mask, scale=scaling, token_mask=token_mask, v_mean=v_mean)
     return out.transpose(1, 2).contiguous(), None
 

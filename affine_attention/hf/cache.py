@@ -35,12 +35,13 @@ def before_update(cache, layer_idx: int) -> bool:
     return src is not None and src is getattr(layer, "values", None)
 
 
-def _same_keys(old: Tensor | None, new: Tensor | None, P: int) -> bool:
+def _same_keys(old: Tensor | None, new: Tensor | None, P: int, memo: dict | None) -> bool:
     """Whether the cached positions had the same visibility when they were summed (masks may change between calls).
 
-    Shapes decide at trace time. Values: eager compares them (one comparison per model forward: every layer asks
-    about the same pair of mask objects, see _KEYS_MEMO); a compiled graph cannot branch on them, so it asserts
-    them on the device instead (a changed padding of cached positions fails loudly there, never silently)."""
+    Shapes decide at trace time. Values: eager compares them once per model forward (every layer asks about the same
+    pair of mask objects; `memo` is that forward's dict, see packing.FORWARD_KWARG); a compiled graph cannot branch
+    on them, so it asserts them on the device instead (a changed padding of cached positions fails loudly there,
+    never silently)."""
     if old is None or new is None:
         return old is None and new is None
     if old.shape[0] != new.shape[0] or old.shape[-1] != P:
@@ -50,17 +51,15 @@ def _same_keys(old: Tensor | None, new: Tensor | None, P: int) -> bool:
                             "affine_attention: the attention mask of already cached positions changed between "
                             "decoding steps of a compiled model; pass the same mask prefix (as generate does)")
         return True
-    memo = _KEYS_MEMO
-    if memo and memo[0] is old and memo[1] is new:
-        return memo[2]
+    key = ("cache.same_keys", id(old), id(new), P)
+    hit = memo.get(key) if memo is not None else None
+    # The memo holds both masks: their ids cannot be reused while it lives (one forward).
+    if hit is not None and hit[0] is old and hit[1] is new:
+        return hit[2]
     same = torch.equal(old, new[:, :P])
-    _KEYS_MEMO[:] = [old, new, same]
+    if memo is not None:
+        memo[key] = (old, new, same)
     return same
-
-
-# (old mask, new mask, equal?) of the last eager comparison. Strong references to two small (B, S) bool masks,
-# replaced at the next forward; identity (not id()) so a recycled address can never match.
-_KEYS_MEMO: list = []
 
 
 def _sum_cached(past: Tensor, km: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -74,13 +73,13 @@ def _sum_cached(past: Tensor, km: Tensor | None) -> tuple[Tensor, Tensor]:
 
 
 def value_mean(cache, layer_idx: int, value: Tensor, keys: Tensor | None, T: int, bias_norm: str,
-               trusted: bool) -> Tensor | None:
+               trusted: bool, memo: dict | None = None) -> Tensor | None:
     """Mean of the visible values for the last T queries, or None when the op should average the cache itself.
 
     value: (B, Hkv, S, D), the layer's whole cache after this step's update; keys: (B|1, S) bool key mask or None
     (causal rule on top, bottom-right aligned: query i sees cache positions <= S - T + i); trusted: what
-    `before_update` said. Returns (B, Hkv, T, D) float32 following `bias_norm` ("visible": divide by the visible
-    count; "full": by S).
+    `before_update` said; memo: the forward's memo dict (or None). Returns (B, Hkv, T, D) float32 following
+    `bias_norm` ("visible": divide by the visible count; "full": by S).
     """
     from transformers.cache_utils import DynamicLayer  # not at import: see _autoload
 
@@ -93,7 +92,7 @@ def value_mean(cache, layer_idx: int, value: Tensor, keys: Tensor | None, T: int
     B, Hkv, S, D = value.shape
     P = S - T
     total = getattr(layer, _SUM, None)
-    if trusted and total is not None and total.shape[0] == B and _same_keys(getattr(layer, _KEYS), keys, P):
+    if trusted and total is not None and total.shape[0] == B and _same_keys(getattr(layer, _KEYS), keys, P, memo):
         base_total, base_count = total, getattr(layer, _COUNT)
     else:  # first step, or the cache changed under us: rebuild from the cache (exact, O(S * D) once)
         km = None if keys is None else keys[:, None, :P, None].to(acc)  # (B|1, 1, P, 1)
