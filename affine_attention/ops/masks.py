@@ -258,6 +258,23 @@ def parse_mask(attn_mask: Tensor | None, is_causal: bool, B: int, Hq: int, T: in
     return MaskSpec(T, S, is_causal, None, m, window, documents, varlen)
 
 
+def mask_of_call(mask: MaskSpec | None, attn_mask: Tensor | None, is_causal: bool, window: int | None,
+                 document_ids: Tensor | None, B: int, Hq: int, T: int, S: int, device: torch.device) -> MaskSpec:
+    """The one parsed mask of a call that takes either `mask` (parsed before, e.g. once per model forward) or the op
+    keywords attn_mask / is_causal / window / document_ids, never both."""
+    if mask is None:
+        return parse_mask(attn_mask, is_causal, B, Hq, T, S, device, window=window, document_ids=document_ids)
+    if not isinstance(mask, MaskSpec):
+        raise ValueError(f"mask must be a MaskSpec (from masks.parse_mask) or None, got {type(mask).__name__}")
+    if attn_mask is not None or is_causal is not False or window is not None or document_ids is not None:
+        raise ValueError("pass the mask once: either mask= (a parsed MaskSpec) or the keywords attn_mask, is_causal, "
+                         "window and document_ids, not both")
+    if mask.T != T or mask.S != S:
+        raise ValueError(f"mask was parsed for T = {mask.T} queries and S = {mask.S} keys, but q and k have T = {T} "
+                         f"and S = {S}")
+    return mask
+
+
 def visible_sum_and_count(v: Tensor, mask: MaskSpec, Hq: int) -> tuple[Tensor, Tensor]:
     """Sum of visible values per query and the number of visible keys, accumulated in float32 (float64 for float64).
 

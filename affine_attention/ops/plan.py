@@ -9,7 +9,7 @@ from torch import Tensor
 from . import backends, epilogue
 from ._validate import check_bias_norm, check_qkv, check_scale
 from .backends import Backend, Call
-from .masks import MaskSpec, parse_mask
+from .masks import MaskSpec, mask_of_call
 
 
 class Plan(NamedTuple):
@@ -30,15 +30,6 @@ def make_plan(q: Tensor, k: Tensor, v: Tensor, *, mask: MaskSpec | None, attn_ma
     B, Hq, _, T, S, D = check_qkv(q, k, v, enable_gqa)
     check_bias_norm(bias_norm)
     scale = check_scale(scale, D)
-    if mask is None:
-        mask = parse_mask(attn_mask, is_causal, B, Hq, T, S, q.device, window=window, document_ids=document_ids)
-    elif not isinstance(mask, MaskSpec):
-        raise ValueError(f"mask must be a MaskSpec (from masks.parse_mask) or None, got {type(mask).__name__}")
-    elif attn_mask is not None or is_causal is not False or window is not None or document_ids is not None:
-        raise ValueError("pass the mask once: either mask= (a parsed MaskSpec) or the keywords attn_mask, is_causal, "
-                         "window and document_ids, not both")
-    elif mask.T != T or mask.S != S:
-        raise ValueError(f"mask was parsed for T = {mask.T} queries and S = {mask.S} keys, but q and k have T = {T} "
-                         f"and S = {S}")
+    mask = mask_of_call(mask, attn_mask, is_causal, window, document_ids, B, Hq, T, S, q.device)
     call = Call.of(q, k, mask, needs_lse)
     return Plan(call, scale, backends.select(call, backend), epilogue.select_impl(q.device, epilogue_impl))

@@ -34,20 +34,20 @@ def banded_sum_and_count(vf: Tensor, km: Tensor | None, mask: MaskSpec) -> tuple
     x = vf if km is None else torch.where(km > 0, vf, zero)
     # Without a window every range is a prefix of its document: no suffix scan needed.
     two_sided = "window" in mask.kinds
-    if mask.documents is None:  # a window alone: segments are blocks of `window` keys, one cumsum each
-        y, L = _block_scans(x, mask.window)
-        into = (j % mask.window)[None]  # (1, S): offset of every key inside its segment
+    if mask.documents is None:
+        start = (j == 0)[None]  # (1, S)
     else:
         d = mask.documents
         start = torch.cat([torch.ones_like(d[:, :1], dtype=torch.bool), d[:, 1:] != d[:, :-1]], dim=1)  # (Bd, S)
-        if two_sided:
-            start = start | (j % mask.window == 0)
-        y, into = _segmented_scans(x, start, mask.window if two_sided else S, two_sided)
-        L = S
+    if two_sided:
+        start = start | (_offsets_in_blocks(S, mask.window, dev) == 0)
+    # One segmented scan for every case: a window alone could reshape into blocks and cumsum each, but a reshape
+    # feeding the gathers below trips inductor ("vr must not be None for symbol q0", torch 2.13).
+    y, into = _segmented_scans(x, start, mask.window if two_sided else S, two_sided)
     last = (hi - 1).clamp(min=0)
-    # y[0] at `last`: the prefix of last's segment up to last; y[1], the scan of the reversed sequence, at L - 1 - lo:
+    # y[0] at `last`: the prefix of last's segment up to last; y[1], the scan of the reversed sequence, at S - 1 - lo:
     # the suffix of lo's segment from lo. One gather for both.
-    idx = torch.stack([last, (L - 1 - lo).clamp(min=0)] if two_sided else [last])  # (1|2, Bd, T)
+    idx = torch.stack([last, (S - 1 - lo).clamp(min=0)] if two_sided else [last])  # (1|2, Bd, T)
     g = y.gather(3, idx[:, :, None, :, None].expand(len(idx), B, Hkv, idx.shape[-1], D))  # (1|2, B, Hkv, T, D)
     total = g[0]
     if two_sided:  # two segments exactly when the range reaches back past the start of last's segment
@@ -65,14 +65,10 @@ def banded_sum_and_count(vf: Tensor, km: Tensor | None, mask: MaskSpec) -> tuple
     return total, count
 
 
-def _block_scans(x: Tensor, window: int) -> tuple[Tensor, int]:
-    """x: (B, H, S, D) -> (y (2, B, H, L, D), L), L = S padded up to a multiple of window: y[0] the inclusive prefix
-    sums within each block of `window` keys, y[1] the same over the reversed sequence (its blocks are the same)."""
-    B, H, S, D = x.shape
-    L = -(-S // window) * window
-    xp = F.pad(x, (0, 0, 0, L - S))  # zeros after the end: they only ever enter sums no query reads
-    y = torch.stack([xp, xp.flip(2)]).view(2, B, H, L // window, window, D).cumsum(4)
-    return y.view(2, B, H, L, D), L
+def _offsets_in_blocks(S: int, window: int, device) -> Tensor:
+    """(S,) int64: j mod window for every key position j, built by repeating an arange: an integer modulo (or floor
+    division) of an index tensor that feeds gathers trips inductor's value-range analysis ("vr must not be None")."""
+    return torch.arange(window, device=device).repeat(-(-S // window))[:S]
 
 
 def _segmented_scans(x: Tensor, start: Tensor, longest: int, two_sided: bool) -> tuple[Tensor, Tensor]:

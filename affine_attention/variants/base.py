@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ..ops import softmax_attention_reference
 from ..ops.affine import attention_with_epilogue
-from ..ops.masks import MaskSpec, parse_mask
+from ..ops.masks import MaskSpec, mask_of_call
 
 
 @dataclass(frozen=True)
@@ -147,16 +147,12 @@ class AttentionVariant(nn.Module):
         return (out if gate is None else out * gate), w, extras
 
     @staticmethod
-    def parsed_mask(q: Tensor, k: Tensor, mask: MaskSpec | None, attn_mask, is_causal, window, document_ids) -> MaskSpec:
-        """The one parsed mask of this call: `mask` as given, or parsed from the keywords (not both)."""
-        if mask is None:
-            B, Hq, T, _ = q.shape
-            return parse_mask(attn_mask, is_causal, B, Hq, T, k.shape[2], q.device, window=window,
-                              document_ids=document_ids)
-        if attn_mask is not None or is_causal is not False or window is not None or document_ids is not None:
-            raise ValueError("pass the mask once: either mask= (a parsed MaskSpec) or the keywords attn_mask, "
-                             "is_causal, window and document_ids, not both")
-        return mask
+    def parsed_mask(q: Tensor, k: Tensor, mask: MaskSpec | None, attn_mask, is_causal, window,
+                    document_ids) -> MaskSpec:
+        """The one parsed mask of this call (q: (B, Hq, T, D), k: (B, Hkv, S, D)): `mask` as given, or parsed from
+        the keywords (not both)."""
+        B, Hq, T, _ = q.shape
+        return mask_of_call(mask, attn_mask, is_causal, window, document_ids, B, Hq, T, k.shape[2], q.device)
 
     # --- what subclasses override -------------------------------------------------------------
     def prologue(self, x: Tensor, token_mask: Tensor | None) -> Prologue:
