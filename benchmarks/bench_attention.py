@@ -26,7 +26,8 @@ from affine_attention.ops import (  # noqa: E402
     affine_scaled_attention, affine_scaled_attention_reference, sink_attention, sink_attention_reference,
     softmax_attention,
 )
-from affine_attention.ops.masks import parse_mask, visible_sum_and_count  # noqa: E402
+from affine_attention.ops.masks import parse_mask
+from affine_attention.ops.visible_sums import visible_sum_and_count  # noqa: E402
 
 SECTIONS = ("prefill", "decode", "masks", "prefix_error")
 REFERENCE_MAX_T = 2048  # the reference materialises (B, H, T, T) weights: beyond this it only measures swap

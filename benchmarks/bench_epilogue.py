@@ -24,9 +24,10 @@ from common import emit, paired_ratios, peak_memory_bytes  # noqa: E402
 
 from affine_attention._compat import float_acc  # noqa: E402
 from affine_attention.ops import affine_scaled_attention  # noqa: E402
-from affine_attention.ops.affine import attention_with_epilogue  # noqa: E402
+from affine_attention.ops.attention import attention_with_epilogue  # noqa: E402
 from affine_attention.ops.backends import attention as kernel_attention  # noqa: E402
-from affine_attention.ops.masks import parse_mask, visible_sum_and_count  # noqa: E402
+from affine_attention.ops.masks import parse_mask
+from affine_attention.ops.visible_sums import visible_sum_and_count  # noqa: E402
 
 
 def former_affine(q, k, v, alpha, alpha_ma, gate=None):

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import paired_ratios  # noqa: E402
 
-from affine_attention.train.config import load_config  # noqa: E402
+from affine_attention.train.config_load import load_config  # noqa: E402
 from affine_attention.train.kd import ce_loss  # noqa: E402
 from affine_attention.train.model import build_base, convert  # noqa: E402
 from affine_attention.train.optim import build_optimizer  # noqa: E402

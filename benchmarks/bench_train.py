@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import paired_ratios  # noqa: E402
 
-from affine_attention.train.config import load_config  # noqa: E402
+from affine_attention.train.config_load import load_config  # noqa: E402
 from affine_attention.variants.running_stats import step_running_stats  # noqa: E402
 
 VARIANTS = ["softmax", "off_by_one", "sink", "gated", "affine", "affine_gated"]

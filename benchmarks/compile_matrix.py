@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from affine_attention.ops import affine_scaled_attention, off_by_one_attention, sink_attention, softmax_attention
-from affine_attention.ops.affine import attention_with_epilogue
+from affine_attention.ops.attention import attention_with_epilogue
 
 B, HQ, HKV, D = 2, 4, 2, 6
 TOL = 1e-5  # fp32: compiled and eager run the same kernels, so anything above rounding noise is a bug

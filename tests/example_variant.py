@@ -21,9 +21,10 @@ class HeadGainAttention(AttentionVariant):
         super().__init__(shape, options)
         self.head_gain = nn.Parameter(torch.ones(shape.num_heads))
 
-    def finish(self, out, x):
-        """out: (B, Hq, T, D) times the gain of its head."""
-        return out * self.head_gain.to(out.dtype)[None, :, None, None]
+    def output_gate(self, x):
+        """The extension point for what multiplies the kernel's output: the gain of each head as the epilogue's
+        gate, (1, Hq, 1, 1) (x: (B, T, hidden) is not needed)."""
+        return self.head_gain.to(x.dtype)[None, :, None, None]
 
     def token_statistics(self, x):
         B, T, _ = x.shape

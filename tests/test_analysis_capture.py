@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from affine_attention.analysis import metrics
+from affine_attention.analysis import mass_metrics, pattern_metrics, scale_metrics
 from affine_attention.analysis.capture import AttentionRecorder, find_variant_modules, utilisation
 from affine_attention.variants import AttentionShape, build_variant
 
@@ -135,7 +135,7 @@ def test_chunked_equals_one_shot(variant):
 
 @torch.no_grad()
 def test_one_shot_equals_metrics_functions():
-    """With one block the recorder is exactly metrics.py applied to the reference weights."""
+    """With one block the recorder is exactly the one-shot metrics applied to the reference weights."""
     model = _randomise(ToyModel("sink", layers=1))
     x = torch.randn(2, 6, HID, dtype=torch.float64)
     (rec,) = _run(model, x, chunk=64)
@@ -146,12 +146,13 @@ def test_one_shot_equals_metrics_functions():
     v = att.v_proj(x).view(B, T, HKV, D).transpose(1, 2)
     _, w, ex = att.attn_variant.reference(q, k, v, x, is_causal=True)
     vis = torch.tril(torch.ones(T, T, dtype=torch.bool))[None, None]
-    torch.testing.assert_close(rec.stats["entropy"], metrics.attention_entropy(w, vis, sink_mass=ex["sink_mass"]))
-    torch.testing.assert_close(rec.stats["first_token_mass"], metrics.first_token_mass(w, vis))
+    torch.testing.assert_close(rec.stats["entropy"],
+                               pattern_metrics.attention_entropy(w, vis, sink_mass=ex["sink_mass"]))
+    torch.testing.assert_close(rec.stats["first_token_mass"], mass_metrics.first_token_mass(w, vis))
     torch.testing.assert_close(rec.sink_mass, ex["sink_mass"].mean((0, 2)))
     from affine_attention.ops import attention_logits
 
-    mean, mean_abs = metrics.mean_qk_logit(attention_logits(q, k, enable_gqa=True), vis)
+    mean, mean_abs = scale_metrics.mean_qk_logit(attention_logits(q, k, enable_gqa=True), vis)
     assert float(rec.qk_logit_mean.mean()) == pytest.approx(mean)  # every head has the same visible count
     assert float(rec.qk_logit_abs_mean.mean()) == pytest.approx(mean_abs)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from affine_attention.analysis.capture import AttentionRecorder
-from affine_attention.analysis.metrics import LayerStats
+from affine_attention.analysis.layer_stats import LayerStats
 from affine_attention.ops import visible_mask
 from affine_attention.ops.masks import parse_mask
 from test_analysis_capture import HKV, HQ, HID, D, ToyModel, _randomise

@@ -4,18 +4,16 @@ import math
 import pytest
 import torch
 
-from affine_attention.analysis.metrics import (
-    LayerStats,
-    alpha_distribution,
-    attention_entropy,
+from affine_attention.analysis.layer_stats import LayerStats
+from affine_attention.analysis.mass_metrics import (
     first_token_mass,
     head_utilisation,
     mass_histogram,
-    mean_attention_map,
-    mean_qk_logit,
     mean_total_mass,
     total_mass,
 )
+from affine_attention.analysis.pattern_metrics import attention_entropy, mean_attention_map
+from affine_attention.analysis.scale_metrics import alpha_distribution, mean_qk_logit
 
 T = 5
 

@@ -1,6 +1,7 @@
-"""The package's shape: dependencies point downwards between folders (no cycle), every registered variant is drawn
-distinctly, paper configs take their architecture from the one table, and a new variant written in one file plus one
-registry line shows up in compare, the report, the figures and the metrics with no other file changed."""
+"""The package's shape: dependencies point downwards between folders and no module imports itself back, every
+registered variant is drawn distinctly, paper configs take their architecture from the one table, and a new variant
+written in one file plus one registry line runs its math and shows up in compare, the report, the figures and the
+metrics with no other file changed."""
 from __future__ import annotations
 
 import ast
@@ -8,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from affine_attention import variants
 from test_train_helpers import read_records, tiny  # noqa: F401  (fixture)
@@ -18,29 +20,67 @@ FLOORS = {"_compat": 0, "_environment": 0, "_files": 0, "_numbers": 0, "_progres
           "variants": 2, "hf": 3, "train": 4, "analysis": 4, "eval": 4, "cli": 5, "__init__": 5, "__main__": 5}
 
 
-def _folder_imports() -> dict[tuple[str, str], set[str]]:
-    """(importing floor, imported floor) -> files, from every `import` of affine_attention inside the package."""
-    edges: dict[tuple[str, str], set[str]] = {}
+def _module_name(f: Path) -> str:
+    parts = list(f.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(dotted: str) -> bool:
+    p = PACKAGE.parent.joinpath(*dotted.split("."))
+    return p.with_suffix(".py").exists() or (p / "__init__.py").exists()
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, from every `import` statement in it (in functions too):
+    `from .x import name` is an edge to module .x, `from . import sub` one to the submodule."""
+    graph: dict[str, set[str]] = {}
     for f in PACKAGE.rglob("*.py"):
-        rel = f.relative_to(PACKAGE)
-        src = rel.parts[0] if len(rel.parts) > 1 else rel.stem
-        pkg = ["affine_attention", *rel.parts[:-1]]
+        me = _module_name(f)
+        pkg = me.split(".") if f.name == "__init__.py" else me.split(".")[:-1]
+        out = graph.setdefault(me, set())
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.ImportFrom):
-                mod = (pkg[:len(pkg) - node.level + 1] + (node.module or "").split(".")) if node.level else \
-                    (node.module or "").split(".")
-                mod = [m for m in mod if m]
-                targets = [mod + [a.name] for a in node.names] if len(mod) == 1 else [mod]
+                base = pkg[:len(pkg) - node.level + 1] if node.level else []
+                mod = ".".join(base + ([node.module] if node.module else []))
+                targets = [f"{mod}.{a.name}" if _is_module(f"{mod}.{a.name}") else mod for a in node.names]
             elif isinstance(node, ast.Import):
-                targets = [a.name.split(".") for a in node.names]
+                targets = [a.name for a in node.names]
             else:
                 continue
-            for t in targets:
-                if t[0] == "affine_attention":
-                    dst = t[1] if len(t) > 1 else "__init__"
-                    if dst != src:
-                        edges.setdefault((src, dst), set()).add(str(rel))
+            out.update(t for t in targets if t.split(".")[0] == "affine_attention" and t != me)
+    return graph
+
+
+def _folder_imports() -> dict[tuple[str, str], set[str]]:
+    """(importing floor, imported floor) -> importing modules, from the module graph."""
+    def floor(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else "__init__"
+
+    edges: dict[tuple[str, str], set[str]] = {}
+    for src, targets in _module_imports().items():
+        for dst in targets:
+            if floor(dst) != floor(src):
+                edges.setdefault((floor(src), floor(dst)), set()).add(src)
     return edges
+
+
+def test_no_import_cycle_between_modules():
+    """Not only between folders: no module reaches itself through the package's imports (a cycle hidden by an
+    import inside a function counts too)."""
+    graph = _module_imports()
+    cycles = []
+    for start in graph:  # depth-first search from every module for a path back to it
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph.get(node, ()):
+                if nxt == start:
+                    cycles.append(" -> ".join(path + (start,)))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + (nxt,)))
+    assert not cycles, f"import cycles: {sorted(set(cycles))[:5]}"
 
 
 def test_dependencies_point_downwards():
@@ -83,7 +123,7 @@ def test_roles_and_control_pairs_come_from_the_registry():
 
 def test_paper_configs_take_the_architecture_table_row():
     from affine_attention.hf.presets import PRESETS
-    from affine_attention.train.config import config_from_dict, load_config
+    from affine_attention.train.config_load import config_from_dict, load_config
 
     mc = load_config("paper-1b").model
     row = PRESETS["llama-3.2-1b"]
@@ -113,11 +153,31 @@ def _has_colour(png: Path, hex_colour: str, tol: float = 0.03) -> bool:
     return bool((np.abs(rgb - want).max(-1) < tol).sum() > 20)
 
 
+def test_the_new_variants_math_runs_on_the_fast_path_and_in_the_reference(example_variant):
+    """Its output is softmax's times its head gains, and the gains get their exact gradient: the extension point it
+    overrides is the one the fast path calls (an override of a method nothing calls leaves softmax)."""
+    from affine_attention.variants import AttentionShape, build_variant
+
+    torch.manual_seed(0)
+    shape = AttentionShape(hidden_size=8, num_heads=4, num_kv_heads=2, head_dim=4)
+    layer, softmax = build_variant(example_variant.name, shape).double(), build_variant("softmax", shape).double()
+    with torch.no_grad():
+        layer.head_gain.copy_(torch.tensor([0.5, 2.0, -1.0, 3.0]))
+    q, k, v = torch.randn(2, 4, 5, 4).double(), torch.randn(2, 2, 5, 4).double(), torch.randn(2, 2, 5, 4).double()
+    x = torch.randn(2, 5, 8).double()
+    base = softmax(q, k, v, x, is_causal=True)
+    out = layer(q, k, v, x, is_causal=True)
+    torch.testing.assert_close(out, base * layer.head_gain[None, :, None, None], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.reference(q, k, v, x, is_causal=True)[0], out, rtol=1e-12, atol=1e-12)
+    out.sum().backward()
+    torch.testing.assert_close(layer.head_gain.grad, base.sum((0, 2, 3)), rtol=1e-12, atol=1e-12)
+
+
 def test_a_new_variant_reaches_compare_report_figures_and_metrics(example_variant, tiny, tmp_path):
     pytest.importorskip("matplotlib")
     from affine_attention.analysis.report import write_report
     from affine_attention.train.compare import compare
-    from affine_attention.train.config import load_config
+    from affine_attention.train.config_load import load_config
 
     name = example_variant.name
     cfg = load_config("tiny", tiny + ["train.steps=3", "train.eval_every=3",
@@ -134,6 +194,7 @@ def test_a_new_variant_reaches_compare_report_figures_and_metrics(example_varian
     # a step's forwards see the gains left by the previous step (ones at the start)
     assert steps[0]["gain_mean"] == [1.0, 1.0] and steps[0]["gain_std"] == [0.0, 0.0]
     assert steps[2]["gain_mean"] == pytest.approx(steps[1]["head_gain"], abs=1e-6)
+    assert all(g != 1.0 for g in steps[2]["head_gain"])  # trained: the gains got gradient
     evals = read_records(root / name / "seed0" / "metrics.jsonl", "eval")
     assert [len(e["head_gain"]) for e in evals] == [2, 2] and len(evals[-1]["head_gain"][0]) == 2
     assert "head_gain" not in read_records(root / "softmax" / "seed0" / "metrics.jsonl")[0]

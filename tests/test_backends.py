@@ -286,3 +286,41 @@ def test_variants_pass_window_and_documents_through(name, backend):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_each_backend_file_registers_one_backend_in_its_declared_priority_order():
+    """One file in ops/backends = one backend, found without a list to edit; the automatic choice asks them by their
+    declared priority, and a clash in name or priority is refused (the order between them would be arbitrary)."""
+    import pkgutil
+
+    from affine_attention.ops import backends
+    from affine_attention.ops.backends.base import REGISTRY, Backend, register
+
+    files = {m.name for m in pkgutil.iter_modules(backends.__path__)} - {"base"}
+    assert set(backend_names()) == files
+    assert [b.priority for b in BACKENDS] == sorted((b.priority for b in BACKENDS), reverse=True)
+    assert backend_names()[-1] == "exact"  # the fallback that serves any call is asked last
+
+    class Clash(Backend):
+        name, priority = "clash", BACKENDS[0].priority
+
+    with pytest.raises(ValueError, match="names and priorities must be unique"):
+        register(Clash)
+
+    class First(Backend):
+        name, priority, has_lse = "first_test_backend", max(b.priority for b in BACKENDS) + 1, False
+
+        def supports(self, call):
+            return None
+
+        def attention(self, q, k, v, mask, scale):
+            return torch.zeros_like(q)
+
+    register(First)
+    try:
+        assert backend_names()[0] == "first_test_backend"
+        q = torch.randn(1, 1, 3, 4)
+        assert torch.equal(softmax_attention(q, q, q), torch.zeros_like(q))  # the highest priority serves it
+    finally:
+        REGISTRY.remove(next(b for b in REGISTRY if b.name == "first_test_backend"))
+    assert "first_test_backend" not in backend_names()

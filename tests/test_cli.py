@@ -39,7 +39,7 @@ def test_the_installed_command_answers_help_and_version():
 
 def test_every_option_has_help_and_name_options_list_the_valid_names():
     from affine_attention.hf.presets import PRESETS
-    from affine_attention.train.config import preset_names
+    from affine_attention.train.config_load import preset_names
     from affine_attention.variants import variant_names
 
     commands = _subparsers(cli.build_parser())

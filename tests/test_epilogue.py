@@ -8,7 +8,7 @@ import torch
 
 from affine_attention.ops import affine_scaled_attention, affine_scaled_attention_reference
 from affine_attention.ops import sink_attention_reference
-from affine_attention.ops.affine import attention_with_epilogue
+from affine_attention.ops.attention import attention_with_epilogue
 from affine_attention.ops.epilogue import epilogue, select_impl, use_epilogue
 from conftest import make_qkv
 from test_variants import _perturbed
@@ -240,6 +240,6 @@ def test_dispatch_is_explicit(monkeypatch):
         epilogue(torch.zeros(1, 2, 3, 4), alpha=torch.zeros(1, 2, 3))
     with pytest.raises(ValueError, match="gate must have rank 4"):
         epilogue(torch.zeros(1, 2, 3, 4), gate=torch.zeros(2, 3, 4))
-    with pytest.raises(ValueError, match="mean of V must have shape"):
+    with pytest.raises(ValueError, match="v_mean must have shape"):
         epilogue(torch.zeros(1, 2, 3, 4), alpha=torch.zeros(1, 2, 3), alpha_ma=torch.zeros(2),
                  v_mean=torch.zeros(1, 2, 2, 4))

@@ -146,7 +146,7 @@ def test_layer_refuses_mixed_float64_and_foreign_device_input(variant):
     ("data.seq_len=100000", r"data.seq_len \(100000\) exceeds model.max_position_embeddings"),
 ])
 def test_config_values_are_checked_with_the_key_named(override, match):
-    from affine_attention.train.config import load_config
+    from affine_attention.train.config_load import load_config
 
     with pytest.raises(ValueError, match=match) as err:
         load_config("tiny", [override])
@@ -154,7 +154,7 @@ def test_config_values_are_checked_with_the_key_named(override, match):
 
 
 def test_config_edges_that_stay_valid():
-    from affine_attention.train.config import load_config, preset_names
+    from affine_attention.train.config_load import load_config, preset_names
 
     for name in preset_names():
         load_config(name)
@@ -237,7 +237,7 @@ def _train(cfg, out, **kw):
 
 
 def test_nothing_written_is_replaced_and_a_lost_result_is_rebuilt(tiny, tmp_path):
-    from affine_attention.train.config import load_config
+    from affine_attention.train.config_load import load_config
 
     cfg = load_config("tiny", tiny + ["train.steps=2", "variant.name='sink'"])
     run = tmp_path / "r"
@@ -272,7 +272,7 @@ def test_nothing_written_is_replaced_and_a_lost_result_is_rebuilt(tiny, tmp_path
 # --- class 6: checkpoints trust only their manifest ------------------------------------------------------------
 @pytest.fixture
 def two_checkpoints(tiny, tmp_path):
-    from affine_attention.train.config import load_config
+    from affine_attention.train.config_load import load_config
 
     cfg = load_config("tiny", tiny + ["train.steps=4", "train.checkpoint_every=1", "train.keep_checkpoints=5",
                                       "variant.name='affine'"])

@@ -48,7 +48,7 @@ def test_ten_thousand_cached_tokens_match_a_full_forward_and_memory_stays_flat()
 
 
 def test_two_thousand_training_steps_do_not_grow_in_memory(tiny, tmp_path, monkeypatch):
-    from affine_attention.train.config import load_config
+    from affine_attention.train.config_load import load_config
     from affine_attention.train.loop import Trainer
 
     steps, warm = 2000, 200

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from affine_attention.ops import affine_scaled_attention, softmax_attention
-from affine_attention.ops.masks import parse_mask, visible_sum_and_count
+from affine_attention.ops.masks import parse_mask
+from affine_attention.ops.visible_sums import visible_sum_and_count
 
 
 def _docs(B, S, n=4):

@@ -149,7 +149,7 @@ def test_training_with_document_mask(tmp_path):
 
     from test_train_helpers import TINY
 
-    from affine_attention.train.config import load_config
+    from affine_attention.train.config_load import load_config
     from affine_attention.train.loop import train
 
     data = tmp_path / "docs.jsonl"

@@ -104,7 +104,7 @@ def test_trainer_callback_and_package_loop_agree(tmp_path):
     from transformers import Trainer, TrainingArguments
 
     from affine_attention.hf.callbacks import RunningStatsCallback
-    from affine_attention.train.config import load_config
+    from affine_attention.train.config_load import load_config
     from affine_attention.train.data import TrainBatches, open_source
     from affine_attention.train.kd import ce_loss
     from affine_attention.train.loop import train as package_train

@@ -1,12 +1,13 @@
-"""The sums of visible values under sliding windows and packed documents (ops/segment_sums.py, through
-masks.visible_sum_and_count and the public op): right values, no trace of a hidden key even in rounding, a number
+"""The sums of visible values under sliding windows and packed documents (ops/visible_sums.py, through
+visible_sums.visible_sum_and_count and the public op): right values, no trace of a hidden key even in rounding, a number
 of torch ops that does not grow with the batch, and torch.compile(fullgraph=True)."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from affine_attention.ops import affine_scaled_attention
-from affine_attention.ops.masks import parse_mask, visible_sum_and_count
+from affine_attention.ops.masks import parse_mask
+from affine_attention.ops.visible_sums import visible_sum_and_count
 from affine_attention.ops.reference import visible_mask
 
 

@@ -8,7 +8,7 @@ import torch
 
 from affine_attention.train import loop
 from affine_attention.train.compare import compare
-from affine_attention.train.config import load_config
+from affine_attention.train.config_load import load_config
 from test_train_helpers import read_records, tiny  # noqa: F401  (fixture)
 
 

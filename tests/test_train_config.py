@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from affine_attention.train.config import RunConfig, config_from_dict, load_config, preset_names, resolve_config_path
+from affine_attention.train.config import RunConfig
+from affine_attention.train.config_load import config_from_dict, load_config, preset_names, resolve_config_path
 from test_train_helpers import REPO
 
 

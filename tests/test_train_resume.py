@@ -56,7 +56,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tiny, tmp_path):
 
 
 def test_resume_refuses_a_changed_config_and_a_missing_run(tiny, tmp_path):
-    from affine_attention.train.config import load_config
+    from affine_attention.train.config_load import load_config
     from affine_attention.train.loop import train
 
     cfg = load_config("tiny", tiny + ["train.steps=2", "variant.name='sink'"])
@@ -90,7 +90,7 @@ def _killed_before_first_checkpoint(run):
 
 
 def test_resume_before_the_first_checkpoint_starts_over_and_keeps_the_partial_log(tiny, tmp_path):
-    from affine_attention.train.config import load_config
+    from affine_attention.train.config_load import load_config
     from affine_attention.train.loop import train
 
     cfg = load_config("tiny", tiny + ["train.steps=3", "variant.name='affine'", "train.eval_every=3"])
@@ -118,7 +118,7 @@ def test_resume_before_the_first_checkpoint_starts_over_and_keeps_the_partial_lo
 
 def test_compare_resume_restarts_a_sub_run_killed_before_its_first_checkpoint(tiny, tmp_path):
     from affine_attention.train.compare import compare
-    from affine_attention.train.config import load_config
+    from affine_attention.train.config_load import load_config
 
     cfg = load_config("tiny", tiny + ["train.steps=2", "compare.variants=['softmax', 'affine']"])
     first = compare(cfg, tmp_path / "cmp", seeds=1, log=lambda m: None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from affine_attention.train.config import load_config
+from affine_attention.train.config_load import load_config
 from affine_attention.train.loop import Trainer
 from test_train_helpers import read_records, tiny  # noqa: F401  (fixture)
 

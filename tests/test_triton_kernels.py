@@ -168,7 +168,7 @@ TRITON_SCRIPT = textwrap.dedent("""
     import sys
     import torch
     from affine_attention.ops import epilogue_triton as et
-    from affine_attention.ops.affine import attention_with_epilogue
+    from affine_attention.ops.attention import attention_with_epilogue
     from affine_attention.ops.epilogue import epilogue
     torch.manual_seed(0)
     FOLD = sys.argv[1] == "fold"

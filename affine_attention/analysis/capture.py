@@ -16,8 +16,10 @@ from torch import Tensor, nn
 
 from ..ops.masks import MaskSpec
 from ..ops.logits import visible_logit_sums
-from ..variants import AttentionVariant
-from .metrics import LayerStats, alpha_distribution, head_utilisation
+from ..variants import REFERENCE, AttentionVariant
+from .layer_stats import LayerStats
+from .mass_metrics import head_utilisation
+from .scale_metrics import alpha_distribution
 
 __all__ = ["AttentionRecorder", "LayerRecord", "find_variant_modules", "utilisation", "DEFAULT_HIST_EDGES"]
 
@@ -36,7 +38,7 @@ def find_variant_modules(model: nn.Module) -> list[tuple[int, str, AttentionVari
     if not found:
         raise ValueError(
             f"{type(model).__name__} has no attention-variant modules to record; convert it first, e.g. "
-            "`affine_attention.convert(model, 'softmax')` (softmax leaves the model's logits unchanged)")
+            f"`affine_attention.convert(model, {REFERENCE!r})` ({REFERENCE} leaves the model's logits unchanged)")
     out = []
     for order, (name, m) in enumerate(found):
         num = next((int(p) for p in name.split(".") if p.isdigit()), None)
@@ -50,11 +52,11 @@ def find_variant_modules(model: nn.Module) -> list[tuple[int, str, AttentionVari
 class LayerRecord:
     """Everything captured for one attention layer. Per-head tensors are float64 CPU, shape (H,).
 
-    stats: `metrics.LayerStats.result()` (first_token_mass, entropy, mean_total_mass,
+    stats: `layer_stats.LayerStats.result()` (first_token_mass, entropy, mean_total_mass,
       mean_total_mass_sink_excluded, hist_counts (H, n), hist_edges (n+1,), n_queries).
     attention_map: (m, m) head- and batch-averaged weights of the first m queries x m keys (m = map_size).
     qk_logit_mean, qk_logit_abs_mean: mean of q.k*scale and of its absolute value over visible keys of real queries.
-    alpha: `metrics.alpha_distribution` of alpha over real queries (affine variants), else None.
+    alpha: `scale_metrics.alpha_distribution` of alpha over real queries (affine variants), else None.
     sink_mass: mean learned-sink mass per head (sink variants), else None.
     total_mass_values: (n,) float32 per-query total mass (first token excluded) of real queries, all heads pooled;
       None when the recorder was built with keep_values=False.
@@ -228,7 +230,7 @@ class AttentionRecorder:
         acc.stats.update(w, vis, qm, sink_mass=sink)
         qm_full = qm if qm is not None else torch.ones(B, Tc, dtype=torch.bool, device=w.device)
         visx = vis.expand(B, H, Tc, Sc)
-        real = visx.any(-1) & qm_full[:, None, :]  # (B, H, Tc): the real queries of metrics.py
+        real = visx.any(-1) & qm_full[:, None, :]  # (B, H, Tc): the real queries of attention_rows.py
         if sink is not None:
             s = torch.where(real, sink, torch.zeros_like(sink)).double()
             acc.sink = _add(acc.sink, torch.stack([s.sum((0, 2)), real.sum((0, 2)).double()]).cpu())
@@ -236,7 +238,7 @@ class AttentionRecorder:
             a = extras["alpha"].detach().permute(1, 0, 2)[:, qm_full]  # (H, n_real)
             acc.alpha_values.append(a.to("cpu", torch.float32))
         if self.keep_values:
-            # metrics.total_mass: visible weight minus the first visible key's (argmax finds the first True)
+            # mass_metrics.total_mass: visible weight minus the first visible key's (argmax finds the first True)
             first = visx.byte().argmax(-1, keepdim=True)
             total = torch.where(visx, w, 0.0).sum(-1) - w.gather(-1, first).squeeze(-1)
             acc.totals.append(total[real].to("cpu", torch.float32))  # `real` rows see at least one key
@@ -301,6 +303,6 @@ def _bind(module: AttentionVariant, args: tuple, kwargs: dict) -> dict[str, Any]
 
 
 def utilisation(records: list[LayerRecord], sink_excluded: bool = True) -> Tensor:
-    """(L, H) layer x head grid of mean total mass, min-max normalised to [0, 1] (`metrics.head_utilisation`)."""
+    """(L, H) layer x head grid of mean total mass, min-max normalised to [0, 1] (`mass_metrics.head_utilisation`)."""
     key = "mean_total_mass_sink_excluded" if sink_excluded else "mean_total_mass"
     return head_utilisation([r.stats[key] for r in records])

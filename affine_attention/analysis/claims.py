@@ -18,15 +18,19 @@ import math
 import statistics
 from dataclasses import dataclass
 
+import torch
+
+from ..variants import REFERENCE
+
 # The rule. A paired difference d (method - reference, one per seed) is read as:
 #   "holds"              n >= 2, mean in the claimed direction and |mean| > SPREAD_FACTOR x sample std of d
 #   "does not hold"      n >= 2, mean against the claimed direction and |mean| > SPREAD_FACTOR x sample std of d
 #   "within seed spread" otherwise (including a mean of exactly zero)
 #   "not testable here"  fewer than 2 paired seeds, a metric this run did not measure, or (first-token claim) a
-#                        softmax baseline that forms no attention sink
+#                        baseline (variants.REFERENCE) that forms no attention sink
 SPREAD_FACTOR = 2.0
 MIN_SEEDS = 2
-# "The softmax baseline forms an attention sink": its first-token mass, in at least SINK_MIN_LAYERS layers (every
+# "The baseline forms an attention sink": its first-token mass, in at least SINK_MIN_LAYERS layers (every
 # layer if the model has fewer), is at least SINK_FACTOR times the uniform share (the mean of 1 / N_i over queries).
 SINK_FACTOR = 3.0
 SINK_MIN_LAYERS = 2
@@ -127,7 +131,7 @@ RULE_TEXT = (f"Differences are method − reference, paired by seed (same initia
              f"holds when, with at least {MIN_SEEDS} paired seeds, the mean difference points the claimed way and "
              f"exceeds {SPREAD_FACTOR:g} x the sample std of the paired differences; it does not hold when the same is "
              "true the other way; otherwise it is within seed spread. The first-token claim is not testable when the "
-             f"softmax baseline forms no attention sink: first-token mass at least {SINK_FACTOR:g}x the uniform "
+             f"{REFERENCE} baseline forms no attention sink: first-token mass at least {SINK_FACTOR:g}x the uniform "
              f"share in at least {SINK_MIN_LAYERS} layers. This is a screen, not a significance test.")
 
 
@@ -148,8 +152,6 @@ def attention_scalars(records, output_scale: float = 1.0) -> dict:
     output_scale: 1 / the factor a function-preserving conversion started the attention weights at (affine: alpha
     = 0.5 times softmax's, o_proj compensating), so the comparison measures what training changed, not the
     conversion. Entropy and the CV do not depend on it."""
-    import torch
-
     if not records:
         return {}
     first = [output_scale * r.layer_mean("first_token_mass") for r in records]

@@ -1,4 +1,4 @@
-"""Gradient-norm statistics over early training (PAPER.md item 8): mean, std, variance, CV and MAD spike counts,
+"""Gradient-norm statistics over early training (the paper's diagnostic 8): mean, std, variance, CV and MAD spike counts,
 read from a training run's metrics JSONL file."""
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
+import torch
 
+from .mass_metrics import head_utilisation
 from .style import style_for
 
 __all__ = [
@@ -263,14 +265,12 @@ def plot_head_heatmaps(masses: Mapping[str, object], path, *, normalise: bool = 
                        title: str = "Head utilisation: normalised total attention mass") -> Path:
     """One layer x head heatmap per variant on a shared [0, 1] colour scale with one colourbar.
 
-    masses: variant -> (L, H), expected already in [0, 1] (e.g. `metrics.head_utilisation`); values outside are
+    masses: variant -> (L, H), expected already in [0, 1] (e.g. `mass_metrics.head_utilisation`); values outside are
     shown at the end colours. normalise=True applies `head_utilisation` (min-max over each variant's grid) first.
     """
     _check_mapping(masses, "masses")
     grids = {k: _np(v, f"masses[{k!r}]", 2) for k, v in masses.items()}
     if normalise:
-        from .metrics import head_utilisation
-
         grids = {k: head_utilisation(_as_tensor(g)).numpy() for k, g in grids.items()}
     fig, axes = _panels(len(grids), title)
     im = None
@@ -286,8 +286,6 @@ def plot_head_heatmaps(masses: Mapping[str, object], path, *, normalise: bool = 
 
 
 def _as_tensor(a: np.ndarray):
-    import torch
-
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
@@ -296,7 +294,7 @@ def plot_mass_histograms(totals: Mapping[str, object], path, *, bins: int = 50,
                          xlabel: str = "total attention mass") -> Path:
     """One histogram panel per variant over a shared x-range, with labelled mean and median lines.
 
-    totals: variant -> 1-D per-query masses (e.g. `metrics.total_mass` of real queries, flattened). NaN/inf are
+    totals: variant -> 1-D per-query masses (e.g. `mass_metrics.total_mass` of real queries, flattened). NaN/inf are
     dropped. y is the fraction of queries per bin so variants with different query counts compare directly.
     """
     from matplotlib import patheffects
@@ -326,7 +324,8 @@ def plot_mass_histograms(totals: Mapping[str, object], path, *, bins: int = 50,
 
 def plot_attention_map(maps: Mapping[str, object], path, *,
                        title: str = "Attention weights, first 30 tokens (head-averaged)") -> Path:
-    """One query x key heatmap per variant (e.g. `metrics.mean_attention_map`), shared colour scale and colourbar.
+    """One query x key heatmap per variant (e.g. `pattern_metrics.mean_attention_map`), shared colour scale and
+    colourbar.
 
     maps: variant -> (T, S), usually (30, 30). Non-negative data use a sequential map from 0 to the largest
     weight; if any weight is negative (affine) a diverging map symmetric about 0 is used so the sign is visible.
@@ -353,7 +352,7 @@ def plot_alpha_histograms(alphas: Mapping[str, object], path, *, bins: int = 50,
                           title: str = "Distribution of the learned scale α", xlabel: str = "α") -> Path:
     """Overlaid density histograms of alpha values, one per variant or phi choice (e.g. "sigmoid", "linear_clip").
 
-    alphas: name -> 1-D values (e.g. `metrics.alpha_distribution(...)["values"]`). The legend gives each mean.
+    alphas: name -> 1-D values (e.g. `scale_metrics.alpha_distribution(...)["values"]`). The legend gives each mean.
     """
     data, allv, (lo, hi), edges = _histogram_data(alphas, "alphas", bins, pad=0.05)
     fig, axes = _figure(1, 1, title, size=(6.4, 4.2))

@@ -3,16 +3,15 @@
 Cheap to import: torch, transformers and lm-eval load inside the functions that use them.
 """
 
-from .harness import (
+from .harness import evaluate
+from .results import format_table, write_results
+from .tasks import (
     FIXTURE_PPL_TASK,
     FIXTURE_TASKS,
     PAPER_TASKS,
     TaskDataUnavailableError,
-    evaluate,
     expand_tasks,
-    format_table,
     materialize_fixture_tasks,
-    write_results,
 )
 
 # Imported last and by name: this rebinds `affine_attention.eval.perplexity` from the submodule

@@ -81,7 +81,9 @@ def _run(args) -> int:
     # Heavy imports here, not at module level: the command line imports every area's cli module.
     from .._progress import phase
     from ..hf.load import load_model, load_tokenizer
-    from .harness import check_tasks, evaluate, format_table, write_results
+    from .harness import evaluate
+    from .results import format_table, write_results
+    from .tasks import check_tasks
     from .perplexity import perplexity
 
     # What can fail fast does so before the slow model load: task names, a missing tokenizer.

@@ -13,15 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from .._files import atomic_write_json
-from .harness import FIXTURE_TASKS, expand_tasks
-from .harness import check_tasks as harness_check_tasks
+from .tasks import FIXTURE_TASKS, expand_tasks
+from .tasks import check_tasks as harness_check_tasks
 
 METRIC = "acc"
 
 
 def check_tasks(tasks: str, include_path: list[str] | None = None) -> list[str]:
     """The task names of `tasks` (aliases expanded); ValueError for the offline fixtures, then for any name
-    lm-eval does not know (harness.check_tasks: before training, so a typo costs no run)."""
+    lm-eval does not know (tasks.check_tasks: before training, so a typo costs no run)."""
     names = expand_tasks(tasks)
     fixtures = [n for n in names if n in FIXTURE_TASKS or n == "fixtures"]
     if fixtures:

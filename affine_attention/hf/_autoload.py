@@ -1,17 +1,18 @@
-"""Registers the converted model types with transformers as soon as transformers is imported, so that
+"""When the one registration with transformers (hf.models.register) runs: as soon as transformers is imported, so that
 `import affine_attention` stays cheap yet `AutoModelForCausalLM.from_pretrained` finds converted checkpoints.
 
 Why a one-shot import hook, the least bad option found (transformers 5.24):
 - transformers has no plugin entry point for model types; `AutoConfig.register` / `AutoModelForCausalLM.register`
   need the config and model classes, i.e. transformers imported. Registering eagerly would make
-  `import affine_attention` cost what `import affine_attention.hf.models` costs (measured here: ~3.3 s against
-  ~0.02 s, 2 CPU cores, warm cache), for users of the ops alone too.
+  `import affine_attention` import transformers and its model classes, for users of the ops alone too.
 - `_LazyConfigMapping` resolves lazily only model types under `transformers.models.*`.
 - The checkpoint's `auto_map` loader (saved with every converted checkpoint) works, but only with
   trust_remote_code=True.
 The hook touches nothing of transformers itself: it wraps transformers' own module loader for one call, removes
 itself before doing anything (so it runs once), and a failed registration warns instead of breaking
-`import transformers`. Where transformers is already imported, `install` registers at once and adds no hook.
+`import transformers`. Where transformers is already imported, `install` registers at once and adds no hook. A
+module of this package that imports transformers first (hf.attention) removes the hook, then calls `register` at its
+end, once the modules hf.models needs are complete.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import sys
 import warnings
 
 
-def _register() -> None:
+def register() -> None:
+    """Import hf.models, which registers the seam and the converted types with transformers (models.register)."""
     try:
         importlib.import_module("affine_attention.hf.models")  # registers on import
     except Exception as err:  # a broken registration must not break `import transformers`, but must be visible
@@ -43,7 +45,7 @@ class _AfterTransformersImport(importlib.abc.MetaPathFinder):
 
         def exec_then_register(module):
             exec_module(module)
-            _register()
+            register()
 
         spec.loader.exec_module = exec_then_register
         return spec
@@ -60,6 +62,6 @@ def uninstall() -> None:
 def install() -> None:
     """Register now if transformers is already imported, else right after it is (no-op without transformers)."""
     if "transformers" in sys.modules:
-        _register()
+        register()
     elif importlib.util.find_spec("transformers") is not None and _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)

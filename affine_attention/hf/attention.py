@@ -12,12 +12,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._autoload import uninstall as _uninstall_import_hook
+from . import _autoload
 
-_uninstall_import_hook()  # the import of hf.models at the bottom registers; transformers must not re-enter it
-from transformers import AttentionInterface  # noqa: E402
+_autoload.uninstall()  # registration runs at the end of this module (below); transformers must not start it earlier
 from transformers.masking_utils import (  # noqa: E402
-    AttentionMaskInterface,
     causal_mask_function,
     prepare_padding_mask,
     sdpa_mask,
@@ -199,11 +197,5 @@ def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
     return padding[:, None, None, :]
 
 
-def register() -> None:
-    """Register the attention and mask functions with transformers (idempotent)."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, structured_mask)
-
-
-# Whatever module of this package imported transformers first, the converted model types get registered.
-from . import models  # noqa: E402,F401
+# Whatever module of this package imported transformers first, the seam and the model types get registered.
+_autoload.register()

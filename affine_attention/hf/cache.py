@@ -98,7 +98,7 @@ def value_mean(cache, layer_idx: int, value: Tensor, keys: Tensor | None, T: int
         km = None if keys is None else keys[:, None, :P, None].to(acc)  # (B|1, 1, P, 1)
         base_total, base_count = _sum_cached(value[:, :, :P], km)
     new = as_dtype(value[:, :, P:], acc)  # (B, Hkv, T, D)
-    if T == 1:  # the decode hot path: O(D), three small ops (each call counts: µs per layer per token)
+    if T == 1:  # the decode hot path: O(D), three small ops (each call runs per layer per token)
         if keys is None:
             total, count = base_total + new, base_count + 1.0
         else:

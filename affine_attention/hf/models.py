@@ -13,10 +13,11 @@ import os
 
 from safetensors import SafetensorError
 
-from ._autoload import uninstall as _uninstall_import_hook
+from . import _autoload
 
-_uninstall_import_hook()  # this module registers itself below; importing transformers must not re-enter it
+_autoload.uninstall()  # this module registers itself below; importing transformers must not re-enter it
 from transformers import (  # noqa: E402
+    AttentionInterface,
     AutoConfig,
     AutoModelForCausalLM,
     LlamaConfig,
@@ -28,6 +29,7 @@ from transformers import (  # noqa: E402
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 from . import attention, layers  # noqa: E402  (siblings used at call time: they may still be initialising here)
 
@@ -212,8 +214,10 @@ _SUBCLASSES: dict[type, type] = {}
 
 
 def register() -> None:
-    """Register the attention seam and the converted model types with transformers (idempotent)."""
-    attention.register()
+    """The one registration with transformers (idempotent): the attention seam's attention and mask functions under
+    ATTN_IMPLEMENTATION, and the converted model types with AutoConfig / AutoModelForCausalLM."""
+    AttentionInterface.register(attention.ATTN_IMPLEMENTATION, attention.attention_forward)
+    AttentionMaskInterface.register(attention.ATTN_IMPLEMENTATION, attention.structured_mask)
     for config_cls, model_cls in _CLASSES.values():
         AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
         AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)

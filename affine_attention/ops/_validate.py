@@ -63,12 +63,16 @@ def check_per_head(name: str, x: Tensor, Hq: int, device=None) -> None:
     _check_float_on(name, x, device)
 
 
-def check_v_mean(v_mean: Tensor, B: int, Hq: int, Hkv: int, T: int, D: int, device) -> None:
-    """Validate a precomputed mean of visible values: (B, Hkv or Hq, T or 1, D), floating point, on q's device."""
+def check_v_mean(v_mean: Tensor, B: int, Hq: int, Hkv: int | None, T: int, D: int, device) -> None:
+    """Validate a precomputed mean of visible values: (B, Hkv or Hq, T or 1, D), floating point, on q's device.
+    Hkv None (the epilogue alone, which does not know it): any head count that divides Hq."""
+    heads = v_mean.shape[1] if isinstance(v_mean, Tensor) and v_mean.dim() == 4 else 0
+    ok_heads = heads in (Hkv, Hq) if Hkv is not None else heads >= 1 and Hq % heads == 0
     if not isinstance(v_mean, Tensor) or v_mean.dim() != 4 or v_mean.shape[0] != B or v_mean.shape[-1] != D \
-            or v_mean.shape[-2] not in (1, T) or v_mean.shape[1] not in (Hkv, Hq):
+            or v_mean.shape[-2] not in (1, T) or not ok_heads:
         got = tuple(v_mean.shape) if isinstance(v_mean, Tensor) else type(v_mean).__name__
-        raise ValueError(f"v_mean must have shape (B, Hkv, T, D) = {(B, Hkv, T, D)}, got {got}")
+        want = f"(B, Hkv, T, D) = {(B, Hkv, T, D)}" if Hkv is not None else f"(B, Hkv, T|1, D) with Hkv dividing {Hq}"
+        raise ValueError(f"v_mean must have shape {want}, got {got}")
     _check_float_on("v_mean", v_mean, device)
 
 

@@ -185,12 +185,9 @@ def launch_grid(B: int, H: int, T: int, D: int, elements: int,
 
 
 def forward(out: Tensor, alpha: Tensor | None, alpha_ma: Tensor | None, m: Tensor | None,
-            gate: Tensor | None, inv: Tensor | None = None, m_owned: bool = False) -> Tensor:
+            gate: Tensor | None) -> Tensor:
     """out: (B, Hq, T, D); alpha (B, Hq, T); alpha_ma (Hq,); m (B, Hm, T|1, D); gate rank 4, broadcastable.
-    inv: (B|1, 1, T|1, 1) when m holds the undivided sums (the mean is m * inv, formed here; in place when
-    m_owned). Returns y: (B, Hq, T, D) in out's dtype, contiguous."""
-    if inv is not None:
-        m = m.mul_(inv) if m_owned else m * inv
+    Returns y: (B, Hq, T, D) in out's dtype, contiguous."""
     B, Hq, T, D = out.shape
     y = torch.empty((B, Hq, T, D), dtype=out.dtype, device=out.device)
     affine = alpha is not None
@@ -209,16 +206,9 @@ def forward(out: Tensor, alpha: Tensor | None, alpha_ma: Tensor | None, m: Tenso
 
 
 def backward(grad: Tensor, out: Tensor, alpha: Tensor | None, alpha_ma: Tensor | None, m: Tensor | None,
-             gate: Tensor | None, *, need_alpha: bool, need_alpha_ma: bool, need_gate: bool, need_m: bool,
-             m_scratch: bool = False, inv: Tensor | None = None):
+             gate: Tensor | None, *, need_alpha: bool, need_alpha_ma: bool, need_gate: bool, need_m: bool):
     """(d out, d alpha, d alpha_ma, d gate, d m), each None where not needed; d m is reduced to m's shape.
-    grad, out: (B, Hq, T, D); the rest as in `forward`. inv as in `forward` (then d m is the gradient of the sums);
-    m_scratch: m may be overwritten."""
-    if inv is not None:
-        m = m.mul_(inv) if m_scratch else m * inv
-        d = backward(grad, out, alpha, alpha_ma, m, gate, need_alpha=need_alpha, need_alpha_ma=need_alpha_ma,
-                     need_gate=need_gate, need_m=need_m)
-        return d[:4] + (None if d[4] is None else d[4].mul_(inv),)
+    grad, out: (B, Hq, T, D); the rest as in `forward`."""
     B, Hq, T, D = out.shape
     acc = float_acc(out.dtype)
     affine = alpha is not None

@@ -11,7 +11,7 @@ import time
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
     """--config, --set, --out and --resume: shared by train and compare."""
-    from .config import preset_names  # cheap: no torch
+    from .config_load import preset_names  # cheap: no torch
 
     p.add_argument("--config", default="tiny", help=f"preset name ({', '.join(preset_names())}) or a TOML file; "
                    "default: tiny")
@@ -43,7 +43,7 @@ def _out_dir(args, cfg, command: str) -> str:
 
 
 def _train(args) -> int:
-    from .config import load_config
+    from .config_load import load_config
 
     cfg = load_config(args.config, args.overrides)
     if args.dry_run:
@@ -70,7 +70,7 @@ def _train(args) -> int:
 def run_compare(args) -> tuple[str, bool]:
     """Train and summarise every variant (`compare`); prints summary.md on rank 0. Returns (run folder, is rank 0)."""
     from .compare import compare
-    from .config import load_config
+    from .config_load import load_config
     from .distributed import teardown
 
     cfg = load_config(args.config, args.overrides)

@@ -6,7 +6,7 @@ Output layout (run_dir):
   summary.json, summary.md       per variant: parameter overhead, final train loss, held-out loss and
                                  perplexity, tokens/s, wall time (mean and sample std over seeds)
   config.json                    the resolved config
-  <variant>/seed<k>/metrics.jsonl, result.json, final/   each run (see loop.py); final/ is transformers-loadable
+  <variant>/seed<k>/metrics.jsonl, result.json, final/   each run (see run_dir.py); final/ is transformers-loadable
 A report can be regenerated later from these files alone.
 """
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""The training loop: one run of one variant (CE or KD), resumable, single process or torchrun (DDP / FSDP2).
-
-`Trainer` is a handful of named steps, each a small method: build (tokenizer and data, model, optimizer, teacher,
-metrics), start or resume, then per step forward_backward -> optimizer_step -> after_optimizer_step -> log_step,
-evaluate / save on schedule, and finish (result.json). `train()` runs them in that order.
-
-Run folder layout (out_dir):
-  metrics.jsonl          see metrics.py
-  checkpoints/step-N/    periodic checkpoints (checkpoint.py), newest train.keep_checkpoints kept
-  final/                 the checkpoint at the last step (transformers-loadable, with the tokenizer)
-  result.json            the run's summary (losses, held-out loss, perplexity, tokens/s, wall time, parameters)
-"""
+"""The training loop: `Trainer`, one run of one variant (CE or KD) as a handful of small named steps, resumable,
+single process or torchrun (DDP / FSDP2); `train()` runs them. The run folder is described in run_dir.py."""
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -23,56 +11,28 @@ from typing import Any
 import torch
 
 from .._files import atomic_write_json
+from ..variants.running_stats import step_running_stats
 from . import checkpoint as ckpt
 from .config import RunConfig
-from .kd import ce_loss
-from .packing import model_inputs
-from .distributed import DistInfo, accumulation, all_equal, all_reduce_sum, barrier, full_state, load_full_state, \
-    setup, wrap
-from .metrics import MetricsLog, Progress, TokenStats, heldout_loss, qk_logit_probe, running_buffers, \
-    read_log, state_per_head, state_per_layer, sum_dtype
-
-# What a run writes into its folder: a new run refuses a folder holding any of them (nothing is replaced silently).
-RUN_FILES = ("metrics.jsonl", "result.json", "final", "checkpoints")
-# Keys that may differ between a run and its resume (they change nothing computed).
-RESUME_FREE_KEYS = {"train.out_dir", "train.log_every", "train.threads"}
-FINAL_LOSS_WINDOW = 0.05  # final train loss = mean over the last 5% of steps (at least 1)
-
-
-def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and k not in ("options", "rope_scaling", "extra"):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _check_resume_config(saved: dict, cfg: RunConfig, where: str = "checkpoint") -> None:
-    a, b = _flat(saved), _flat(cfg.to_dict())
-    diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in RESUME_FREE_KEYS)
-    if diff:
-        detail = "; ".join(f"{k}: {where} {a.get(k)!r}, now {b.get(k)!r}" for k in diff[:8])
-        raise ValueError(f"--resume with a different config ({detail}); resume with the run's original config")
-
-
-def _check_out_dir(out_dir: Path, resume: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--out {out_dir} is an existing file, not a run folder; choose another --out")
-    if resume and not out_dir.is_dir():
-        raise ValueError(f"--resume: the run folder {out_dir} does not exist; pass the --out of the run to continue")
-
-
-def autocast_for(device: torch.device, precision: str):
-    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    if not bf16:
-        return contextlib.nullcontext, False
-    return (lambda: torch.autocast(device.type, dtype=torch.bfloat16)), True
+from .data import TrainBatches, data_key, eval_sequences, open_source, separator_id
+from .distributed import DistInfo, all_equal, all_reduce_sum, barrier, full_state, load_full_state, setup, wrap
+from .kd import Teacher
+from .metrics import MetricsLog, Progress, TokenStats, running_buffers, state_per_layer
+from .model import base_model as start_model
+from .model import convert, count_params, function_preserving, tokenizer_spec
+from .optim import build_optimizer, set_lr
+from .pretrained import load_tokenizer
+from .run_dir import check_no_run, check_out_dir, check_resume_config, final_losses, keep_partial_log, \
+    logged_config, logged_eval
+from .steps import accumulate_gradients, autocast_for, clip_and_step, eval_record
 
 
 class Trainer:
-    """One run of one variant into `out_dir`; see the module docstring for the order of the steps.
+    """One run of one variant into `out_dir`.
+
+    The steps, in order: build (tokenizer and data, model, optimizer, teacher, metrics), start or resume, then per
+    step forward_backward -> optimizer_step -> after_optimizer_step -> log_step, evaluate / save on schedule, and
+    finish (result.json).
 
     base_model: an unconverted model to start from (compare passes one per seed so all variants share weights);
     by default one is built from cfg.model and cfg.train.seed. variant/variant_options default to [variant].
@@ -90,7 +50,7 @@ class Trainer:
         self.options = cfg.variant.options if variant_options is None else variant_options
         self.label = label or self.variant
         self.out_dir, self.resume = Path(out_dir), resume
-        _check_out_dir(self.out_dir, resume)  # before anything is built or written
+        check_out_dir(self.out_dir, resume)  # before anything is built or written
         self.info: DistInfo = setup(self.tc.device)
         if self.tc.threads:
             torch.set_num_threads(self.tc.threads)
@@ -115,11 +75,6 @@ class Trainer:
     # --- building -------------------------------------------------------------------------------------------
     def build_data(self) -> None:
         """The tokenizer, this rank's training batches and the held-out sequences (eval and probe)."""
-        from .data import TrainBatches, eval_sequences, open_source, separator_id
-        from .pretrained import load_tokenizer
-
-        from .model import tokenizer_spec
-
         cfg, dc, tc, info = self.cfg, self.dc, self.tc, self.info
         self.tok_spec = tokenizer_spec(cfg)
         self.tok = load_tokenizer(self.tok_spec)
@@ -134,10 +89,6 @@ class Trainer:
 
     def build_model(self, base_model) -> None:
         """The converted model on this rank's device, wrapped for DDP / FSDP2 (and compiled), and its optimizer."""
-        from .model import base_model as start_model
-        from .model import convert, count_params, function_preserving
-        from .optim import build_optimizer
-
         tc, keep = self.tc, function_preserving(self.cfg.model)
         if base_model is None:
             base_model = start_model(self.cfg, tc.seed, eos_token_id=self.tok.eos_token_id,
@@ -160,9 +111,6 @@ class Trainer:
             self.model = torch.compile(self.model)
 
     def build_teacher(self) -> None:
-        from .data import data_key
-        from .kd import Teacher
-
         cfg, dc = self.cfg, self.dc
         self.teacher = None
         if cfg.kd.enabled:
@@ -174,10 +122,7 @@ class Trainer:
     # --- start or resume ------------------------------------------------------------------------------------
     def start(self) -> None:
         """A new run: refuse to overwrite one, then write the config record."""
-        held = [n for n in RUN_FILES if (self.out_dir / n).exists()]  # every rank checks, before rank 0 writes
-        if held:
-            raise ValueError(f"{self.out_dir} already holds a run ({', '.join(held)}); pass --resume to continue it "
-                             "or choose another --out")
+        check_no_run(self.out_dir)  # every rank checks, before rank 0 writes
         barrier(self.info)
         dc = self.dc
         self.metrics.write({"kind": "config", "config": self.cfg.to_dict(), "variant": self.variant,
@@ -198,22 +143,10 @@ class Trainer:
         """Start over from step 0 a run that saved nothing before it was killed, with its config (checked as a
         checkpoint's is); training is deterministic, so it takes the same steps. The partial log is kept beside
         as metrics.restart-N.jsonl."""
-        log_path = self.out_dir / "metrics.jsonl"
-        logged = next((r for r in read_log(log_path) if r.get("kind") == "config"), None)
-        if logged is None:
-            raise ValueError(f"--resume: {log_path} holds no config record and there is no checkpoint, so this is "
-                             "not a run this trainer started; pass the --out of the run to continue")
-        _check_resume_config(logged["config"], self.cfg, where="run log")
+        check_resume_config(logged_config(self.out_dir), self.cfg, where="run log")
         barrier(self.info)  # every rank has read the log before rank 0 moves it
         if self.info.is_main:
-            n = 1
-            while (self.out_dir / f"metrics.restart-{n}.jsonl").exists():
-                n += 1
-            kept = self.out_dir / f"metrics.restart-{n}.jsonl"
-            os.replace(log_path, kept)
-            empty = self.out_dir / "checkpoints"
-            if empty.is_dir() and not any(empty.iterdir()):
-                empty.rmdir()
+            kept = keep_partial_log(self.out_dir)
             self.say(f"--resume: {self.out_dir} has no checkpoint yet (the run stopped before its first one), so it "
                      f"starts over from step 0; the partial log is kept as {kept.name}")
         barrier(self.info)  # and no rank checks the folder (start) before the log is moved
@@ -227,7 +160,7 @@ class Trainer:
         path = ckpt.newest_intact(self.out_dir, log=self.say)
         state = ckpt.load_training_state(path)
         ts = state["trainer_state"]
-        _check_resume_config(ts["config"], self.cfg)
+        check_resume_config(ts["config"], self.cfg)
         missing = load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         tied = {n for n in missing if n.endswith("lm_head.weight") and self.cfg.model.tie_embeddings}
         if set(missing) - tied:
@@ -250,42 +183,18 @@ class Trainer:
     # --- one step -------------------------------------------------------------------------------------------
     def forward_backward(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Accumulate gradients over this rank's micro-batches of rows (L, T + 1) with sequence ids (L,); returns
-        (3,) float64 sums of micro-batch means of (loss, ce, kd)."""
-        tc, cfg, teacher, model = self.tc, self.cfg, self.teacher, self.model
-        # Kept on the device: a float() per micro-batch would wait for it each time (one transfer in log_step).
-        sums = torch.zeros(3, dtype=sum_dtype(self.info.device), device=self.info.device)
-        for i in range(self.n_micro):
-            sl = slice(i * tc.micro_batch, (i + 1) * tc.micro_batch)
-            inputs, targets = rows[sl, :-1], rows[sl, 1:]
-            with accumulation(model, self.info, sync=i == self.n_micro - 1):
-                with self.autocast():
-                    logits = model(**model_inputs(inputs, self.doc_sep)).logits  # (b, T, V)
-                ce = ce_loss(logits, targets)
-                kd = None
-                if teacher is not None:
-                    kd = teacher.loss(logits, teacher.targets(inputs, ids[sl]))
-                    loss = cfg.kd.kd_alpha * kd + (1.0 - cfg.kd.kd_alpha) * ce
-                else:
-                    loss = ce
-                (loss / self.n_micro).backward()
-            sums += torch.stack([loss.detach(), ce.detach(), kd.detach() if kd is not None else torch.zeros_like(ce)
-                                 ]).to(sums.dtype)
-        return sums
+        (3,) sums (float64; float32 on MPS) of micro-batch means of (loss, ce, kd)."""
+        return accumulate_gradients(self.model, rows, ids, n_micro=self.n_micro, micro_batch=self.tc.micro_batch,
+                                    info=self.info, autocast=self.autocast, doc_sep=self.doc_sep,
+                                    teacher=self.teacher, kd_alpha=self.cfg.kd.kd_alpha)
 
     def optimizer_step(self) -> float:
         """Clip, step and clear the gradients; returns the global pre-clip gradient norm."""
-        clip = self.cfg.optim.clip_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return clip_and_step(self.model, self.optimizer, self.cfg.optim.clip_grad_norm)
 
     def after_optimizer_step(self) -> None:
         """Once per optimizer step, after it: the per-step state updates outside autograd. The variants' running
         statistics (alpha_ma) take one EMA step from every micro-batch of this step on every rank."""
-        from ..variants.running_stats import step_running_stats
-
         step_running_stats(self.hf_model)
 
     def log_step(self, step: int, sums: torch.Tensor, lr: float, grad_norm: float, dt: float) -> dict[str, Any]:
@@ -306,8 +215,6 @@ class Trainer:
 
     def train_step(self, s: int) -> None:
         """Optimizer step s + 1: learning rate, batch, gradients, update, logging."""
-        from .optim import set_lr
-
         t0 = time.time()
         lr = set_lr(self.optimizer, s, self.tc.steps, self.cfg.optim.lr, self.cfg.schedule)
         rows, ids = self.batches.next()  # (local_batch, T + 1)
@@ -322,16 +229,7 @@ class Trainer:
     # --- evaluation and checkpoints -------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict[str, Any]:
         """Held-out loss, the query-key logit probe and the variant's per-head state, as an eval record."""
-        dc, model = self.dc, self.model
-        model.eval()
-        try:
-            rec = {"kind": "eval", "step": step}
-            loss = heldout_loss(model, self.held[:dc.eval_sequences], dc.eval_batch, self.autocast, self.doc_sep)
-            rec.update(heldout_loss=loss, heldout_ppl=math.exp(loss))
-            rec.update(qk_logit_probe(model, self.held[:dc.probe_sequences, :-1], self.autocast))
-            rec.update(state_per_head(model))
-        finally:
-            model.train()
+        rec = eval_record(self.model, self.held, self.dc, self.autocast, self.doc_sep, step)
         self.metrics.write(rec)
         self.progress.write(f"[{self.label}] step {step}: held-out loss {rec['heldout_loss']:.4f} "
                             f"(ppl {rec['heldout_ppl']:.1f}), mean qk logit {rec['qk_logit_mean']:.3f}")
@@ -365,14 +263,8 @@ class Trainer:
         tc, info, ev = self.tc, self.info, self.last_eval
         bufs = running_buffers(self.hf_model)
         rank_diff = all_equal(torch.cat([b.flatten() for b in bufs]), info) if bufs else 0.0
-        train_losses: list[float] = []
-        if info.is_main:
-            train_losses = [r["loss"] for r in read_log(self.out_dir / "metrics.jsonl") if r.get("kind") == "train"]
-        window = max(1, round(FINAL_LOSS_WINDOW * tc.steps))
-        tail = train_losses[-window:]
         result = {"variant": self.variant, "params": self.n_params, "steps": tc.steps, "world_size": info.world,
-                  "final_train_loss": sum(tail) / len(tail) if tail else None,
-                  "final_loss_window": window, "last_step_loss": train_losses[-1] if train_losses else None,
+                  **final_losses(self.out_dir, tc.steps, read=info.is_main),
                   "heldout_loss": ev["heldout_loss"] if ev else None,
                   "heldout_ppl": ev["heldout_ppl"] if ev else None,
                   "qk_logit_mean": ev["qk_logit_mean"] if ev else None,
@@ -385,11 +277,6 @@ class Trainer:
         if info.is_main:
             atomic_write_json(self.out_dir / "result.json", result)  # compare --resume trusts it by its presence
         return result
-
-    def _logged_eval(self, step: int) -> dict[str, Any] | None:
-        found = [r for r in read_log(self.out_dir / "metrics.jsonl")
-                 if r.get("kind") == "eval" and r.get("step") == step]
-        return found[-1] if found else None
 
     def run(self) -> dict[str, Any]:
         tc = self.tc
@@ -404,7 +291,7 @@ class Trainer:
                 # Killed after final/ but before result.json: the held-out numbers of the last step, as logged
                 # (or measured again on the final weights if the log lost them), then the summary.
                 self.begin()
-                self.last_eval = self._logged_eval(self.start_step) or self.evaluate(self.start_step)
+                self.last_eval = logged_eval(self.out_dir, self.start_step) or self.evaluate(self.start_step)
                 self.progress.close()
                 return self.finish()
         else:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops import softmax_attention_reference
-from ..ops.affine import attention_with_epilogue
+from ..ops.attention import attention_with_epilogue
 from ..ops.masks import MaskSpec, mask_of_call
 
 
@@ -63,8 +63,8 @@ class Prologue(NamedTuple):
 
     alpha: (B, Hq, T) with alpha_ma: (Hq,) (the affine part; needs the mean of visible V); gate: broadcastable to
     (B, Hq, T, D) or a float, applied in the epilogue; sinks: (Hq,) logits, applied inside the kernel (needs its
-    lse); bias_norm: how the affine bias term counts keys. A NamedTuple: built per layer per call, and a frozen
-    dataclass costs a few µs of a decoding step.
+    lse); bias_norm: how the affine bias term counts keys. A NamedTuple: built per layer per call, and cheaper to
+    build than a frozen dataclass.
     """
 
     alpha: Tensor | None = None

@@ -1,26 +1,29 @@
-"""Softmax kernel backends behind every op, and the dispatcher that picks the first one that accepts a call.
+"""Softmax kernel backends behind every op: the dispatcher that asks each registered backend in priority order, and
+the one autograd.Function that adds the sink to any backend with a log-sum-exp.
 
-Order matters: the first backend in BACKENDS whose `supports` returns None serves the call. `backend="name"` on
-the public ops, or `with use_backend("name"):`, forces one; a forced backend that cannot serve a call raises a
-ValueError naming what it lacks, never falling back.
+Every module in this folder except base.py is a backend that registers itself (`@register` with a `priority`), so
+a new backend is one new file. `backend="name"` on the public ops, or `with use_backend("name"):`, forces one; a
+forced backend that cannot serve a call raises a ValueError naming what it lacks, never falling back.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
 
 import torch
 from torch import Tensor
 
+from ..._compat import as_dtype, float_acc
 from .._forcing import ForcedChoice
 from ..masks import MaskSpec
-from .base import Backend, Call, KernelAttention, with_sink
-from .cpu_flash import CpuFlashBackend
-from .cuda_flash import CudaFlashBackend
-from .exact import ExactBackend
-from .sdpa import SdpaBackend
+from .base import REGISTRY, Backend, Call
 
-# Preference order: fastest first, the exact fallback (any mask, device and dtype) last.
-BACKENDS: list[Backend] = [SdpaBackend(), CudaFlashBackend(), CpuFlashBackend(), ExactBackend()]
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "base":
+        importlib.import_module(f"{__name__}.{_module.name}")
 
+#: The registered backends, highest priority first (the order of the automatic choice).
+BACKENDS: list[Backend] = REGISTRY
 
 
 def backend_names() -> list[str]:
@@ -68,26 +71,64 @@ def select(call: Call, backend: str | None = None) -> Backend:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float, *, sinks: Tensor | None = None,
               backend: str | None = None) -> tuple[Tensor, Tensor | None]:
-    """Softmax attention (with the sink's extra exp(sinks[h]) in the denominator when sinks is given).
+    """Softmax attention (with the sink's extra exp(sinks[h]) in the denominator when sinks is given) on the
+    backend `select` picks.
 
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D); sinks: (Hq,) or None. Returns (out (B, Hq, T, D) in q.dtype,
     lse (B, Hq, T) float32 of the plain softmax, or None when the chosen backend has none).
     """
-    return attention_on(select(Call.of(q, k, mask, needs_lse=sinks is not None), backend), q, k, v, mask, scale,
-                        sinks=sinks)
-
-
-def attention_on(chosen: Backend, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float, *,
-                 sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """`attention` on a backend already chosen for this call (see ops/plan.py); layouts as `attention`."""
+    chosen = select(Call.of(q, k, mask, needs_lse=sinks is not None), backend)
     if not chosen.has_lse:
         return chosen.attention(q, k, v, mask, scale), None
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
-        # Nothing to differentiate (decoding): the raw forward, without an autograd node (a few µs per layer).
-        out, lse = chosen.forward(q, k, v, mask, scale)
+        out, lse = chosen.forward(q, k, v, mask, scale)  # nothing to differentiate (decoding): no autograd node
         return with_sink(out, lse, sinks)[0], lse
     return KernelAttention.apply(chosen, q, k, v, sinks, mask, scale)
 
 
-__all__ = ["BACKENDS", "Backend", "Call", "KernelAttention", "attention", "attention_on", "backend_names",
-           "forced_name", "get_backend", "select", "use_backend"]
+def with_sink(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """out: (B, Hq, T, D), lse: (B, Hq, T), sinks: (Hq,) or None -> (out * g, g) with g = sigmoid(lse - s):
+    (B, Hq, T) in float32 (float64 for float64); (out, None) without sinks. An empty row (lse = -inf) gets 0."""
+    if sinks is None:
+        return out, None
+    acc = float_acc(out.dtype)
+    gate = torch.sigmoid(as_dtype(lse, acc) - as_dtype(sinks, acc)[None, :, None])
+    return as_dtype(as_dtype(out, acc) * gate[..., None], out.dtype), gate
+
+
+class KernelAttention(torch.autograd.Function):
+    """Softmax attention through a backend's raw pair, optionally with a sink: out' = out * g, g = sigmoid(lse - s).
+
+    Every aten kernel returns its lse without gradient, so the sink cannot be built on a raw lse. Backward feeds
+    the backend (g * dO, out', lse) instead: its row term then is g^2 dO.out = dO.out', which is exactly the
+    softmax-with-sink gradient; d s = -sum_i g_i (1 - g_i) dO_i.out_i (computed in the non-cancelling form).
+    """
+
+    @staticmethod
+    def forward(ctx, backend: Backend, q, k, v, sinks, mask: MaskSpec, scale: float):
+        out, lse = backend.forward(q, k, v, mask, scale)
+        out, gate = with_sink(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, gate, sinks)
+        ctx.backend, ctx.mask, ctx.scale = backend, mask, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, gate, sinks = ctx.saved_tensors
+        dsinks = None
+        grad = dout.contiguous()
+        if gate is not None:
+            acc = gate.dtype
+            grad = (dout.to(acc) * gate[..., None]).to(dout.dtype).contiguous()
+            if ctx.needs_input_grad[4]:
+                # dO . out' = g * (dO . out); d gate / d s = -g (1 - g), and 1 - g = sigmoid(s - lse) does not cancel.
+                delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, Hq, T) = g * dO.out
+                one_minus = torch.sigmoid(sinks.to(acc)[None, :, None] - lse.to(acc))
+                dsinks = -(one_minus * delta).sum((0, 2)).to(sinks.dtype)
+        dq, dk, dv = ctx.backend.backward(grad, q, k, v, out, lse, ctx.mask, ctx.scale)
+        return None, dq, dk, dv, dsinks, None, None
+
+
+__all__ = ["BACKENDS", "Backend", "Call", "KernelAttention", "attention", "backend_names", "forced_name",
+           "get_backend", "select", "use_backend", "with_sink"]

@@ -1,10 +1,9 @@
-"""The contract every softmax kernel backend follows, and the one autograd.Function that adds the sink to any of them.
+"""The contract every softmax kernel backend follows, and the registry a backend joins with `@register`.
 
 A backend computes plain softmax attention for a MaskSpec and returns (out, lse). Backends with a log-sum-exp
-implement `forward`/`backward` as raw (non-autograd) functions; `KernelAttention` wraps them once, so the sink
-form out * sigmoid(lse - s) gets its exact gradient on every such backend (never through a raw lse, which aten
-kernels return without gradient). Backends without an lse (SDPA) are differentiable by themselves and serve only
-calls that need no lse.
+implement `forward`/`backward` as raw (non-autograd) functions, which the dispatcher (backends/__init__.py) wraps
+once with the sink; backends without an lse (SDPA) are differentiable by themselves and serve only calls that need
+no lse. One file in this folder = one backend; its declared `priority` orders the automatic choice.
 """
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..._compat import as_dtype, float_acc
 from ..masks import MaskSpec
 
 
@@ -21,7 +19,7 @@ class Call(NamedTuple):
     """What a backend is asked to do; `Backend.supports` reads only this (shapes, dtype, device, mask kinds).
 
     q: (B, Hq, T, D), k/v: (B, Hkv, S, D). needs_lse: the caller wants the log-sum-exp (sinks) or, equivalently,
-    the raw forward/backward pair. A NamedTuple: built once per op call, and a decoding step is tens of µs.
+    the raw forward/backward pair. A NamedTuple: it is built on every op call, and cheap to build.
     """
 
     device_type: str
@@ -44,14 +42,15 @@ class Call(NamedTuple):
 
 
 class Backend:
-    """One softmax kernel. Subclasses set `name`, implement `supports`, and either `attention` (differentiable,
-    no lse) or the raw pair `forward`/`backward` (has_lse = True).
+    """One softmax kernel. Subclasses set `name` and `priority` (higher is tried first), implement `supports`, and
+    either `attention` (differentiable, no lse) or the raw pair `forward`/`backward` (has_lse = True).
 
     Layouts: q (B, Hq, T, D); k, v (B, Hkv, S, D); out (B, Hq, T, D) in q.dtype; lse (B, Hq, T) float32 (float64
     for float64 inputs), -inf for a query that sees no key (whose out is 0). GQA is native (Hq a multiple of Hkv).
     """
 
     name: str = ""
+    priority: int = 0
     has_lse: bool = True
 
     def supports(self, call: Call) -> str | None:
@@ -75,44 +74,17 @@ class Backend:
         raise NotImplementedError(f"backend {self.name!r} has no raw backward()")
 
 
-def with_sink(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """out: (B, Hq, T, D), lse: (B, Hq, T), sinks: (Hq,) or None -> (out * g, g) with g = sigmoid(lse - s):
-    (B, Hq, T) in float32 (float64 for float64); (out, None) without sinks. An empty row (lse = -inf) gets 0."""
-    if sinks is None:
-        return out, None
-    acc = float_acc(out.dtype)
-    gate = torch.sigmoid(as_dtype(lse, acc) - as_dtype(sinks, acc)[None, :, None])
-    return as_dtype(as_dtype(out, acc) * gate[..., None], out.dtype), gate
+#: Every registered backend, highest priority first: the order in which the automatic choice asks them.
+REGISTRY: list[Backend] = []
 
 
-class KernelAttention(torch.autograd.Function):
-    """Softmax attention through a backend's raw pair, optionally with a sink: out' = out * g, g = sigmoid(lse - s).
-
-    Backward: feed the backend (g * dO, out', lse). Its row term then is g^2 dO.out = dO.out', which is exactly the
-    softmax-with-sink gradient; d s = -sum_i g_i (1 - g_i) dO_i.out_i (computed in the non-cancelling form).
-    """
-
-    @staticmethod
-    def forward(ctx, backend: Backend, q, k, v, sinks, mask: MaskSpec, scale: float):
-        out, lse = backend.forward(q, k, v, mask, scale)
-        out, gate = with_sink(out, lse, sinks)
-        ctx.save_for_backward(q, k, v, out, lse, gate, sinks)
-        ctx.backend, ctx.mask, ctx.scale = backend, mask, scale
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, gate, sinks = ctx.saved_tensors
-        dsinks = None
-        grad = dout.contiguous()
-        if gate is not None:
-            acc = gate.dtype
-            grad = (dout.to(acc) * gate[..., None]).to(dout.dtype).contiguous()
-            if ctx.needs_input_grad[4]:
-                # dO . out' = g * (dO . out); d gate / d s = -g (1 - g), and 1 - g = sigmoid(s - lse) does not cancel.
-                delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, Hq, T) = g * dO.out
-                one_minus = torch.sigmoid(sinks.to(acc)[None, :, None] - lse.to(acc))
-                dsinks = -(one_minus * delta).sum((0, 2)).to(sinks.dtype)
-        dq, dk, dv = ctx.backend.backward(grad, q, k, v, out, lse, ctx.mask, ctx.scale)
-        return None, dq, dk, dv, dsinks, None, None
+def register(cls: type[Backend]) -> type[Backend]:
+    """Class decorator: add one instance of a backend to REGISTRY at its priority. A second backend with the same
+    name or the same priority is a programming error (the order between them would be arbitrary)."""
+    for b in REGISTRY:
+        if b.name == cls.name or b.priority == cls.priority:
+            raise ValueError(f"backend {cls.name!r} (priority {cls.priority}) clashes with the registered "
+                             f"{b.name!r} (priority {b.priority}): names and priorities must be unique")
+    REGISTRY.append(cls())
+    REGISTRY.sort(key=lambda b: -b.priority)
+    return cls

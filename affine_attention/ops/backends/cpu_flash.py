@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..._compat import float_acc
 from ..masks import MaskSpec
-from .base import Backend, Call
+from .base import Backend, Call, register
 
 # Queries per block on the banded path: the bias is BLOCK x (BLOCK + window) per block; smaller blocks waste
 # less of the band on masked keys, larger ones pay the per-call overhead less often.
@@ -20,7 +20,7 @@ BLOCK = 128
 
 
 def _ops():
-    # The resolved overloads: calling the packets re-resolves them on every call (µs per decode step).
+    # The resolved overloads: calling the packets re-resolves them on every call (on every decoding step).
     return (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 
@@ -63,8 +63,10 @@ def _blocks(mask: MaskSpec, device: torch.device) -> list[tuple[int, int, int, i
     return [(a, min(mask.T, a + BLOCK), lo, max(lo, hi)) for a, (lo, hi) in zip(starts, bands)]
 
 
+@register
 class CpuFlashBackend(Backend):
     name = "cpu_flash"
+    priority = 20  # the lse path on CPU
 
     def supports(self, call: Call) -> str | None:
         m = call.mask

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..._compat import float_acc
 from ..masks import MaskSpec
-from .base import Backend, Call
+from .base import Backend, Call, register
 
 # The kernel's limits (pytorch's vendored FA2): fp16/bf16, head dim a multiple of 8 and at most 256.
 DTYPES = (torch.float16, torch.bfloat16)
@@ -262,8 +262,10 @@ def _unused(device) -> tuple[Tensor, Tensor]:
     return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
 
 
+@register
 class CudaFlashBackend(Backend):
     name = "cuda_flash"
+    priority = 30  # the lse path on CUDA
 
     def supports(self, call: Call) -> str | None:
         if call.device_type != "cuda":

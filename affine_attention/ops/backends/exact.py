@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..._compat import float_acc
 from ..masks import MaskSpec
-from .base import Backend, Call
+from .base import Backend, Call, register
 
 # Queries per chunk: bounds memory at CHUNK x S weights per head.
 CHUNK = 256
@@ -34,8 +34,10 @@ def _weights(q_c: Tensor, k: Tensor, vis: Tensor, scale: float, lse: Tensor | No
     return p, lse
 
 
+@register
 class ExactBackend(Backend):
     name = "exact"
+    priority = 10  # last: any mask, device and dtype
 
     def supports(self, call: Call) -> str | None:
         return None  # any mask, device and dtype

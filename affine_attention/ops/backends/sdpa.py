@@ -10,7 +10,7 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..masks import MaskSpec
-from .base import Backend, Call
+from .base import Backend, Call, register
 
 #: The SDPA kernels allowed on CUDA (torch tries them in its own order of preference).
 CUDA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -21,11 +21,13 @@ def _restricted(q: Tensor) -> bool:
     return q.device.type == "cuda"
 
 
+@register
 class SdpaBackend(Backend):
     """F.scaled_dot_product_attention, differentiable by itself. Serves no call that needs an lse (sinks), and only
     masks whose top-left causal alignment equals this library's bottom-right one."""
 
     name = "sdpa"
+    priority = 40  # fastest where it applies: no lse, differentiable by itself
     has_lse = False
 
     def supports(self, call: Call) -> str | None:

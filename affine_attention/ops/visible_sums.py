@@ -1,15 +1,14 @@
-"""Sums of the visible values under sliding windows and packed documents as segmented scans: no sum ever adds a
-key its query cannot see (no prefix differences), and the number of torch ops does not grow with the batch."""
+"""Sum and number of the values each query may see, under every structured mask without a T x S tensor: prefix sums
+for causal and padding; segmented scans for sliding windows and packed documents, where no sum ever adds a key its
+query cannot see (no prefix differences) and the number of torch ops does not grow with the batch."""
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-if TYPE_CHECKING:  # masks.py imports this module
-    from .masks import MaskSpec
+from .._compat import float_acc
+from .masks import MaskSpec
 
 
 def banded_sum_and_count(vf: Tensor, km: Tensor | None, mask: MaskSpec) -> tuple[Tensor, Tensor]:
@@ -96,3 +95,48 @@ def _segmented_scans(x: Tensor, start: Tensor, longest: int, two_sided: bool) ->
         y = y.add_(y.roll(d, 3).masked_fill_(near < d, 0.0))
         d *= 2
     return y, into[0]
+
+
+def visible_sum_and_count(v: Tensor, mask: MaskSpec, Hq: int) -> tuple[Tensor, Tensor]:
+    """Sum of visible values per query and the number of visible keys, accumulated in float32 (float64 for float64).
+
+    v: (B, Hkv, S, D). Returns (sum, count): sum (B, Hkv|Hq, T|1, D), count broadcastable to it.
+    Structured masks give Hkv heads (the caller broadcasts over query groups); dense masks give Hq heads.
+    Prefix sums keep every structured mask (causal, padding, window, documents) O(S * D), never T x S.
+    """
+    acc = float_acc(v.dtype)
+    B, Hkv, S, D = v.shape
+    if mask.dense is not None:
+        vis = mask.dense_bool(v.device).to(acc)  # (B|1, H|1, T, S): slow exact path only
+        vh = v.to(acc)
+        if vis.shape[1] != 1 and Hq != Hkv:
+            vh = vh.repeat_interleave(Hq // Hkv, dim=1)
+        return vis @ vh, vis.sum(-1, keepdim=True)
+    vf = v.to(acc)
+    km = None if mask.keys is None else mask.keys[:, :, 0, :, None].to(acc)  # (B|1, 1, S, 1)
+    if mask.kinds & {"window", "documents"}:
+        return banded_sum_and_count(vf, km, mask)
+    if km is not None:
+        vf = vf * km
+    if not mask.causal or mask.causal_is_trivial:
+        total = vf.sum(-2, keepdim=True)
+        count = km.sum(-2, keepdim=True) if km is not None else torch.full((1, 1, 1, 1), float(S), dtype=acc,
+                                                                          device=v.device)
+        return total, count
+    if mask.offset >= 0:
+        # Query i's last visible key is i + offset: a slice of the prefix sums, no gather needed. In place on a
+        # contiguous copy (the one a dtype conversion or the key mask made, or a fresh one): on CPU a copy plus an
+        # in-place scan is a third faster than the out-of-place scan, and needs no second buffer.
+        vf = vf.clone(memory_format=torch.contiguous_format) if vf is v or not vf.is_contiguous() else vf
+        csum = vf.cumsum_(-2)[:, :, mask.offset:]
+        count = (km.cumsum(-2)[:, :, mask.offset:] if km is not None
+                 else torch.arange(mask.offset + 1, mask.S + 1, device=v.device, dtype=acc)[None, None, :, None])
+        return csum, count
+    # T > S: the first -offset queries see no key at all; the rest are a slice of the prefix sums. Shapes alone
+    # decide this, so no host sync.
+    empty = -mask.offset
+    csum = torch.cat([vf.new_zeros(B, Hkv, empty, D), vf.cumsum(-2)], dim=-2)
+    count = (torch.cat([km.new_zeros(km.shape[0], 1, empty, 1), km.cumsum(-2)], dim=-2) if km is not None
+             else torch.cat([torch.zeros(empty, device=v.device, dtype=acc),
+                             torch.arange(1, S + 1, device=v.device, dtype=acc)])[None, None, :, None])
+    return csum, count

@@ -1,0 +1,71 @@
+"""The report's Claims section: a run's per-seed numbers put through claims.py's rule for each method, as one table
+per method and, machine-readable, in summary.json."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .._files import atomic_write_json
+from ..variants import REFERENCE as BASELINE
+from ..variants import REGISTRY
+from . import claims
+from .compare_run import BEFORE, SeedRun, output_scale
+from .report_template import Heading, Table
+
+__all__ = ["claims_data", "claims_blocks", "record_claims"]
+
+
+def claims_data(runs: dict[str, list[SeedRun]], numbers: dict, gwin: tuple[int, int], by_seed: dict,
+                length: int) -> dict:
+    """The Claims table's data (see claims.py): for each method, rows against the baseline and its first control
+    in the run; plus the rule and whether the baseline formed an attention sink.
+
+    numbers: Table 1's per-seed losses; gwin: the gradient statistics' window; by_seed: variant -> seed ->
+    LayerRecords of the final checkpoints ({} without attention diagnostics); length: their window length."""
+    grad = {v: {r.seed: g for r in rs if (g := r.grad_stats(gwin)) is not None} for v, rs in runs.items()}
+    att = {v: {s: claims.attention_scalars(recs, output_scale(runs, v, s)) for s, recs in per.items()}
+           for v, per in by_seed.items() if v != BEFORE}
+    zs = {v: {r.seed: r.zero_shot() for r in rs} for v, rs in runs.items()}
+    per_seed = claims.run_per_seed(numbers, grad, att, zs)
+    sink = claims.baseline_sink(att.get(BASELINE, {}), length)
+    out = {"rule": claims.RULE_TEXT, "baseline": BASELINE, "baseline_sink": sink, "methods": {}}
+    for v in runs:
+        if REGISTRY.get(v) is None or REGISTRY[v].role != "method":
+            continue
+        ctrl = next((c for c in REGISTRY[v].controls if c in runs), None)
+        out["methods"][v] = {"control": ctrl, "rows": claims.claim_rows(per_seed, method=v, baseline=BASELINE,
+                                                                        control=ctrl, baseline_sink=sink)}
+    return out
+
+
+def claims_blocks(data: dict) -> list:
+    """The report's Claims section from `claims_data`: one table per method, in run order."""
+    if not data["methods"]:
+        return []
+
+    def cell(side: dict) -> str:
+        d = side["diff"]
+        if d["n"] == 0:
+            return "-"
+        spread = f" ± {d['std']:.3g}" if d["std"] is not None else ""
+        return f"{d['mean']:+.3g}{spread} (n={d['n']})"
+
+    def verdict(side: dict) -> str:
+        return side["verdict"] + (f" ({side['why']})" if side.get("why") else "")
+
+    out = [Heading("Claims")]
+    for method, m in data["methods"].items():
+        ctrl = m["control"] or "control"
+        rows = [[r["text"], r["metric"], cell(r["baseline"]), verdict(r["baseline"]), cell(r["control"]),
+                 verdict(r["control"])] for r in m["rows"]]
+        out.append(Table(["paper's claim", "measured as", f"{method} − {BASELINE}", "verdict",
+                          f"{method} − {ctrl}", "verdict"], rows, data["rule"],
+                         f"The paper's claims for {method}, against {BASELINE} and against {ctrl}"))
+    return out
+
+
+def record_claims(run_dir: Path, summary: dict, data: dict) -> None:
+    """The Claims table, machine-readable, in summary.json (rewritten atomically) when the run has one."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return
+    atomic_write_json(path, {**summary, "claims": data})

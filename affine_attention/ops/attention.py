@@ -1,0 +1,163 @@
+"""The public attention ops, and the one fast path behind all of them: a softmax kernel, then the variant epilogue.
+
+Affine-Scaled Attention: a_ij = alpha_i * softmax_j(x_ij) + beta_i with beta_i = (alpha_ma - alpha_i) / N_i on each
+of the N_i keys query i may see, so out_i = alpha_i * Attn_i + (alpha_ma - alpha_i) * (mean of visible V): any
+softmax kernel (backends/) plus a masked mean of V gives the exact result, combined in one pass (epilogue.py). The
+sink adds exp(s) to the kernel's softmax denominator; a gate multiplies the output in the same epilogue pass.
+The readable, weight-materialising form of every op is reference.py.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import backends
+from ._validate import check_bias_norm, check_per_head, check_qkv, check_scale, check_v_mean
+from .epilogue import epilogue, select_impl
+from .masks import MaskSpec, mask_of_call
+from .visible_sums import visible_sum_and_count
+
+
+def affine_scaled_attention(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, alpha_ma: Tensor, *,
+                            attn_mask: Tensor | None = None, is_causal: bool = False, scale: float | None = None,
+                            bias_norm: str = "visible", enable_gqa: bool = False, window: int | None = None,
+                            document_ids: Tensor | None = None, backend: str | None = None,
+                            v_mean: Tensor | None = None, mask: MaskSpec | None = None) -> Tensor:
+    """Affine-Scaled Attention: a_ij = alpha_i * softmax_j(q_i.k_j * scale) + (alpha_ma - alpha_i) / N_i.
+
+    q: (B, Hq, T, D); k, v: (B, Hkv, S, D); alpha: (B, Hq, T); alpha_ma: (Hq,). Returns (B, Hq, T, D).
+    attn_mask: bool broadcastable to (B, Hq, T, S), True = may attend. is_causal aligns the last query with the
+    last key (bottom-right), so T < S continues a cache. N_i is the number of keys query i may see
+    (bias_norm="visible"); bias_norm="full" uses N = S for every query and exists only as an ablation.
+    window: each query sees at most its last `window` keys (needs is_causal). document_ids: (B, S) int,
+    non-decreasing: a query sees only keys of its own document. backend: force a kernel backend by name.
+    v_mean: optional precomputed mean of the visible values, (B, Hkv, T, D) float32, e.g. from a decoding
+    cache's running sum; it replaces the masked mean and must follow the same bias_norm.
+    mask: the mask already parsed (`ops.masks.parse_mask`, a MaskSpec) instead of attn_mask / is_causal / window /
+    document_ids: parsed once, it serves many calls (every layer of a model forward) and kernels keep what they
+    derive from it. A query that sees no key returns zeros.
+    """
+    if alpha is None or alpha_ma is None:
+        raise ValueError("affine_scaled_attention needs alpha (B, Hq, T) and alpha_ma (Hq,)")
+    return attention_with_epilogue(q, k, v, alpha=alpha, alpha_ma=alpha_ma, attn_mask=attn_mask,
+                                   is_causal=is_causal, scale=scale, bias_norm=bias_norm, enable_gqa=enable_gqa,
+                                   window=window, document_ids=document_ids, backend=backend, v_mean=v_mean,
+                                   mask=mask)
+
+
+def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, *, attn_mask: Tensor | None = None,
+                   is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                   window: int | None = None, document_ids: Tensor | None = None,
+                   backend: str | None = None, mask: MaskSpec | None = None) -> Tensor:
+    """Attention with a sink (GPT-OSS style): p_ij = exp(x_ij) / (sum_k exp(x_ik) + exp(sinks[h])).
+
+    q: (B, Hq, T, D); k, v: (B, Hkv, S, D); sinks: (Hq,) logits, learnable. Returns (B, Hq, T, D).
+    Mask semantics (attn_mask, is_causal, window, document_ids, or mask=) and backend as affine_scaled_attention.
+    """
+    if not isinstance(sinks, Tensor):
+        raise ValueError(f"sinks must be a (Hq,) tensor of sink logits, got {type(sinks).__name__}")
+    return attention_with_epilogue(q, k, v, sinks=sinks, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                   enable_gqa=enable_gqa, window=window, document_ids=document_ids, backend=backend,
+                                   mask=mask)
+
+
+def off_by_one_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
+                         is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                         window: int | None = None, document_ids: Tensor | None = None,
+                         backend: str | None = None, mask: MaskSpec | None = None) -> Tensor:
+    """Softmax with +1 in the denominator: sink_attention with every sink logit fixed at 0.
+
+    q: (B, Hq, T, D); k, v: (B, Hkv, S, D). Returns (B, Hq, T, D).
+    """
+    if not isinstance(q, Tensor):
+        check_qkv(q, k, v, enable_gqa)  # raises, naming q
+    sinks = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
+    return sink_attention(q, k, v, sinks, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                          enable_gqa=enable_gqa, window=window, document_ids=document_ids, backend=backend,
+                          mask=mask)
+
+
+def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
+                      is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                      window: int | None = None, document_ids: Tensor | None = None,
+                      backend: str | None = None, mask: MaskSpec | None = None) -> Tensor:
+    """Standard attention with this library's mask semantics (causal aligned bottom-right, empty rows -> 0).
+
+    q: (B, Hq, T, D); k, v: (B, Hkv, S, D). Returns (B, Hq, T, D).
+    """
+    return attention_with_epilogue(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                   enable_gqa=enable_gqa, window=window, document_ids=document_ids, backend=backend,
+                                   mask=mask)
+
+
+def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | None = None,
+                            alpha_ma: Tensor | None = None, gate: Tensor | float | None = None,
+                            sinks: Tensor | None = None, attn_mask: Tensor | None = None, is_causal: bool = False,
+                            scale: float | None = None, bias_norm: str = "visible", enable_gqa: bool = False,
+                            window: int | None = None, document_ids: Tensor | None = None,
+                            backend: str | None = None, v_mean: Tensor | None = None,
+                            epilogue_impl: str | None = None, mask: MaskSpec | None = None) -> Tensor:
+    """Every variant's fast path: a softmax kernel (with the sink when sinks is given), then one epilogue pass.
+
+    q: (B, Hq, T, D); k, v: (B, Hkv, S, D); alpha: (B, Hq, T) with alpha_ma: (Hq,) for the affine part (or
+    neither); gate: broadcastable to (B, Hq, T, D) or a float (see epilogue.epilogue); sinks: (Hq,) logits.
+    Masks, scale, bias_norm, backend and v_mean as affine_scaled_attention; epilogue_impl forces "eager" or
+    "triton"; mask: the mask already parsed (a MaskSpec, e.g. once per model forward) instead of the keywords.
+    Returns (B, Hq, T, D) in q's dtype.
+    """
+    B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
+    check_bias_norm(bias_norm)
+    scale = check_scale(scale, D)
+    mask = mask_of_call(mask, attn_mask, is_causal, window, document_ids, B, Hq, T, S, q.device)
+    if (alpha is None) != (alpha_ma is None):
+        raise ValueError("alpha (B, Hq, T) and alpha_ma (Hq,) come together (the affine part) or not at all")
+    if alpha is None and v_mean is not None:
+        raise ValueError("v_mean is the affine bias term's mean of V: it needs alpha and alpha_ma")
+    if v_mean is not None:
+        check_v_mean(v_mean, B, Hq, Hkv, T, D, q.device)
+    if sinks is not None:
+        check_per_head("sinks", sinks, Hq, q.device)
+    impl = select_impl(q.device, epilogue_impl)  # a forced implementation that cannot run fails before the kernel
+
+    k, v, seen = _isolate_nonfinite(k, v, mask, Hq)
+    out, _ = backends.attention(q, k, v, mask, scale, sinks=sinks, backend=backend)
+    if alpha is not None and v_mean is None:
+        out = epilogue(out, alpha=alpha, alpha_ma=alpha_ma, gate=gate, v=v, mask=mask, bias_norm=bias_norm,
+                       impl=impl)
+    else:
+        out = epilogue(out, alpha=alpha, alpha_ma=alpha_ma, gate=gate, v_mean=v_mean, impl=impl)
+    return _poison_seen(out, seen)
+
+
+def _isolate_nonfinite(k: Tensor, v: Tensor, mask: MaskSpec, Hq: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """k, v: (B, Hkv, S, D) -> (k, v with every non-finite key row and value row set to 0, seen), where
+    seen: (B, Hkv|Hq, T|1, 1) bool is True for the queries that may see such a row (None when there is none).
+
+    Kernels multiply hidden values by a zero weight and add a -inf bias to hidden logits; 0 * nan and nan - inf are
+    nan, so without this a padded or future key poisons rows that never see it. Nothing to do where the mask
+    hides no key: a non-finite row then reaches every output, as in the reference. Eager CPU first asks one
+    reduction per tensor (a nan or inf makes the sum non-finite; a finite overflow only sends it on to the exact
+    per-row test). Elsewhere (accelerators, torch.compile) asking would sync, so the rows are always cleaned."""
+    if not mask.kinds:
+        return k, v, None
+    if k.device.type == "cpu" and not torch.compiler.is_compiling() and math.isfinite((k.sum() + v.sum()).item()):
+        return k, v, None  # the common case
+    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # (B, Hkv, S)
+    if k.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(bad.any()):
+        return k, v, None  # every element finite after all: the sum overflowed
+    row = bad[..., None]
+    seen, _ = visible_sum_and_count(row.to(v.dtype), mask, Hq)
+    return k.masked_fill(row, 0), v.masked_fill(row, 0), seen > 0.5
+
+
+def _poison_seen(out: Tensor, seen: Tensor | None) -> Tensor:
+    """out: (B, Hq, T, D); the queries that saw a non-finite key or value (`seen` from `_isolate_nonfinite`) get
+    nan, as they would without isolation (None: nothing was non-finite)."""
+    if seen is None:
+        return out
+    B, Hq, T, D = out.shape
+    G = Hq // seen.shape[1]
+    hit = seen[:, :, None].expand(B, Hq // G, G, seen.shape[2], 1).reshape(B, Hq, seen.shape[2], 1)
+    return out.masked_fill(hit, float("nan"))

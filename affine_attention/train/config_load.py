@@ -1,0 +1,278 @@
+"""Reading a run's config: a preset or TOML file, `--set` overrides and [model].preset expanded, then type-checked
+(unknown keys and bad types refused) and validated into a RunConfig."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from ..hf.presets import PRESETS
+from .config import RunConfig
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building dataclasses from plain dicts, with type checks and clear errors.
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if origin in (list,):
+        return f"a list of {_type_name(typing.get_args(hint)[0])}"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            dict: "a table"}.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            raise ValueError(f"config key {where!r} must be {_type_name(hint)}; got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return None if value is None else _convert(value, args[0], where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"config key {where!r} must be {_type_name(hint)}; got {value!r}")
+        inner = typing.get_args(hint)[0]
+        return [_convert(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+        dict: isinstance(value, dict),
+    }.get(hint)
+    if ok is None:
+        raise TypeError(f"unsupported config field type {hint!r} at {where!r}")
+    if not ok:
+        raise ValueError(f"config key {where!r} must be {_type_name(hint)}; got {value!r}")
+    return float(value) if hint is float else value
+
+
+def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
+    """Build dataclass `cls` from `data`; unknown keys and wrong types raise ValueError listing the valid keys."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        prefix = f"{where}." if where else ""
+        table = f"[{where}]" if where else "the top level"
+        raise ValueError(f"unknown config key(s) {[prefix + k for k in unknown]} in {table}; "
+                         f"valid keys: {', '.join(sorted(fields))}")
+    hints = typing.get_type_hints(cls)
+    base = cls()
+    for name, value in data.items():
+        key = f"{where}.{name}" if where else name
+        if dataclasses.is_dataclass(hints[name]):
+            if not isinstance(value, dict):
+                raise ValueError(f"config key {key!r} must be a table, got {value!r}")
+            # Nested tables merge key by key over the field's default (e.g. [data.eval] keeps split="validation").
+            merged = dataclasses.asdict(getattr(base, name))
+            merged.update(value)
+            value = from_dict(hints[name], merged, key)
+        else:
+            value = _convert(value, hints[name], key)
+        setattr(base, name, value)
+    return base
+
+
+def _parse_value(text: str) -> Any:
+    """A --set value: a TOML value when it parses as one, else the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=value` overrides to a raw config dict (typed later by from_dict)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set expects key=value (e.g. train.steps=100), got {item!r}")
+        key, text = item.split("=", 1)
+        parts = [p for p in key.strip().split(".")]
+        if not all(parts):
+            raise ValueError(f"--set key {key!r} is not a dotted key such as optim.lr")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {key}: {p!r} is not a table")
+        node[parts[-1]] = _parse_value(text.strip())
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Presets and files.
+
+def _preset_dirs() -> list[Path]:
+    here = Path(__file__).resolve().parent.parent  # the affine_attention package
+    return [here / "configs"]
+
+
+def preset_names() -> list[str]:
+    names = set()
+    for d in _preset_dirs():
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.toml"))
+    return sorted(names)
+
+
+def resolve_config_path(spec: str) -> Path:
+    """A file path, or the name of a preset in the package folder `affine_attention/configs/`."""
+    p = Path(spec).expanduser()
+    if p.is_file():
+        return p
+    if "/" not in spec and not spec.endswith(".toml"):
+        for d in _preset_dirs():
+            if (d / f"{spec}.toml").is_file():
+                return d / f"{spec}.toml"
+    raise ValueError(f"config {spec!r} is neither a file nor a preset name; presets: {', '.join(preset_names())}")
+
+
+def load_config(spec: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a preset or TOML file (default: the `tiny` preset), apply --set overrides, type-check, validate.
+
+    A config file is TOML with the tables of config.py ([model], [variant], [data], [data.train], [data.eval],
+    [optim], [schedule], [train], [kd], [compare]); every key has a default, so a file names only what it changes.
+    `--set a.b=value` overrides one key; the value is parsed as a TOML value (`3`, `1e-3`, `true`, `"x"`,
+    `["softmax", "affine"]`) and falls back to a bare string, then checked against the field's type.
+    Named presets (`tiny`, `kd-smollm2`, `paper-0.5b`, ...) live in the package folder `affine_attention/configs/`
+    (package data, so they work after `pip install`); `configs/` at the repository root is a link to that folder
+    for reading and editing. `spec` is a preset name or a file path.
+    """
+    path = resolve_config_path(spec or "tiny")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path}: not valid TOML: {err}") from None
+    return config_from_dict(apply_overrides(data, list(overrides or [])), source=str(path))
+
+
+# The architecture table's transformers keys -> [model] keys. Token ids come from the tokenizer, never the table;
+# any other key of a row goes to [model].extra unchanged (e.g. Mistral's sliding_window).
+_PRESET_KEYS = {"model_type": "arch", "vocab_size": "vocab_size", "hidden_size": "hidden_size",
+                "intermediate_size": "intermediate_size", "num_hidden_layers": "num_layers",
+                "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
+                "tie_word_embeddings": "tie_embeddings", "rope_theta": "rope_theta", "rope_scaling": "rope_scaling",
+                "max_position_embeddings": "max_position_embeddings", "rms_norm_eps": "rms_norm_eps"}
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def preset_model_keys(name: str) -> dict[str, Any]:
+    """The [model] keys of architecture `name` in `affine_attention.hf.presets.PRESETS`."""
+    if name not in PRESETS:
+        raise ValueError(f"model.preset {name!r} is not in the architecture table; choose one of {sorted(PRESETS)}")
+    row = copy.deepcopy(PRESETS[name])  # the caller may change the dicts it gets (rope_scaling)
+    keys = {_PRESET_KEYS[k]: v for k, v in row.items() if k in _PRESET_KEYS}
+    extra = {k: v for k, v in row.items() if k not in _PRESET_KEYS and k not in _TOKEN_IDS}
+    return {**keys, "extra": extra} if extra else keys
+
+
+def _expand_preset(data: dict[str, Any]) -> dict[str, Any]:
+    """[model].preset filled in: the row's keys first, then the table's own keys on top ("extra" merged)."""
+    model = data.get("model")
+    if not isinstance(model, dict) or not model.get("preset"):
+        return data
+    if not isinstance(model["preset"], str):
+        raise ValueError(f"config key 'model.preset' must be a string; got {model['preset']!r}")
+    base = preset_model_keys(model["preset"])
+    merged = {**base, **model}
+    if isinstance(model.get("extra"), dict):
+        merged["extra"] = {**base.get("extra", {}), **model["extra"]}
+    return {**data, "model": merged}
+
+
+def _check_init_from(data: dict[str, Any]) -> None:
+    """With [model].init_from the checkpoint defines the architecture: any size set beside it would be ignored."""
+    model = data.get("model")
+    if not isinstance(model, dict) or not model.get("init_from"):
+        return
+    other = sorted(set(model) - {"init_from", "function_preserving"})
+    if other:
+        raise ValueError(f"model.init_from = {model['init_from']!r} takes the architecture from that model; remove "
+                         f"{', '.join('model.' + k for k in other)} (or drop init_from to train from scratch)")
+
+
+def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> RunConfig:
+    try:
+        _check_init_from(data)
+        cfg = from_dict(RunConfig, _expand_preset(data))
+        validate(cfg)
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks that need no torch: sizes positive, batch arithmetic, KD settings coherent."""
+    t, d, k, m = cfg.train, cfg.data, cfg.kd, cfg.model
+    for where, value in (("train.steps", t.steps), ("train.global_batch", t.global_batch),
+                         ("train.micro_batch", t.micro_batch), ("data.seq_len", d.seq_len),
+                         ("data.eval_batch", d.eval_batch), ("model.vocab_size", m.vocab_size),
+                         ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
+                         ("model.num_kv_heads", m.num_kv_heads), ("model.hidden_size", m.hidden_size),
+                         ("model.intermediate_size", m.intermediate_size),
+                         ("model.max_position_embeddings", m.max_position_embeddings)):
+        if value <= 0:
+            raise ValueError(f"{where} must be positive, got {value}")
+    if m.head_dim < 0:
+        raise ValueError(f"model.head_dim must be positive (or 0: hidden_size // num_heads), got {m.head_dim}")
+    if d.seq_len > m.max_position_embeddings:
+        raise ValueError(f"data.seq_len ({d.seq_len}) exceeds model.max_position_embeddings "
+                         f"({m.max_position_embeddings}); lower data.seq_len or raise model.max_position_embeddings")
+    o = cfg.optim
+    for where, value, strict in (("optim.lr", o.lr, True), ("optim.eps", o.eps, True),
+                                 ("optim.weight_decay", o.weight_decay, False),
+                                 ("optim.clip_grad_norm", o.clip_grad_norm, False)):
+        if not math.isfinite(value) or value < 0 or (strict and value == 0):
+            expected = "> 0" if strict else ">= 0" + (" (0 disables clipping)" if "clip" in where else "")
+            raise ValueError(f"{where} must be finite and {expected}, got {value}")
+    if not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in o.betas):
+        raise ValueError(f"optim.betas must be two numbers in [0, 1), got {o.betas}")
+    if t.global_batch % t.micro_batch:
+        raise ValueError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch "
+                         f"({t.micro_batch}) times the number of ranks")
+    if m.num_heads % m.num_kv_heads:
+        raise ValueError(f"model.num_heads ({m.num_heads}) must be a multiple of model.num_kv_heads ({m.num_kv_heads})")
+    if not m.head_dim and m.hidden_size % m.num_heads:
+        raise ValueError(f"model.hidden_size ({m.hidden_size}) is not divisible by model.num_heads ({m.num_heads}); "
+                         "set model.head_dim")
+    for src, name in ((d.train, "data.train"), (d.eval, "data.eval")):
+        if src.kind == "files" and not src.paths:
+            raise ValueError(f"{name}.kind = 'files' needs {name}.paths (a list of files or glob patterns)")
+        if src.kind == "hub" and not src.name:
+            raise ValueError(f"{name}.kind = 'hub' needs {name}.name (a datasets hub name)")
+        if src.kind == "corpus" and src.split not in ("train", "validation"):
+            raise ValueError(f"{name}.split must be 'train' or 'validation' for the embedded corpus, got {src.split!r}")
+    if k.enabled:
+        if not k.teacher:
+            raise ValueError("kd.enabled = true needs kd.teacher (a folder, hub name, *.gguf file or alias)")
+        if not 0.0 <= k.kd_alpha <= 1.0:
+            raise ValueError(f"kd.kd_alpha must lie in [0, 1], got {k.kd_alpha}")
+        if k.temperature <= 0:
+            raise ValueError(f"kd.temperature must be positive, got {k.temperature}")
+        if k.top_k < 0:
+            raise ValueError(f"kd.top_k must be >= 0, got {k.top_k}")
+        if k.cache and k.top_k == 0:
+            raise ValueError("kd.cache = true stores top-k teacher logits: set kd.top_k (e.g. 64)")
+    if cfg.schedule.warmup_steps < 0 or not 0.0 <= cfg.schedule.decay_fraction <= 1.0:
+        raise ValueError("schedule.warmup_steps must be >= 0 and schedule.decay_fraction in [0, 1]")
+    if t.keep_checkpoints < 1 or t.checkpoint_every < 0 or t.eval_every < 0:
+        raise ValueError("train.keep_checkpoints must be >= 1, train.checkpoint_every and train.eval_every >= 0")
+    if len(cfg.optim.betas) != 2:
+        raise ValueError(f"optim.betas must have two numbers, got {cfg.optim.betas}")
+    if not cfg.compare.variants:
+        raise ValueError("compare.variants must name at least one variant")
+    if cfg.compare.seeds <= 0:
+        raise ValueError(f"compare.seeds must be positive, got {cfg.compare.seeds}")
