@@ -6,17 +6,50 @@ is measured against the code before it on the same machine in the same run (drif
 
 Each round runs the benchmark once per checkout (the order alternates between rounds) with that checkout's own
 benchmarks/ script and package; the outputs are printed in turn, labelled, and written under --out when given. Every
-benchmark here prints ratios against a baseline of its own run, so compare those ratios across the two sides.
+benchmark here prints ratios against a baseline of its own run ("1.23x" cells of its markdown tables); the summary
+at the end gives, per table cell, the median over rounds on each side and after / before.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
+
+
+def ratio_cells(text: str) -> dict[tuple[str, str], float]:
+    """{(row label, column header): ratio} for every "1.23x" cell of the markdown tables in a benchmark's output."""
+    cells, header = {}, None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        parts = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = parts
+            continue
+        for name, cell in zip(header[1:], parts[1:]):
+            m = re.match(r"^([0-9.]+)x\b", cell)
+            if m and len(header) == len(parts):
+                cells[(parts[0], name)] = float(m.group(1))
+    return cells
+
+
+def summary(outputs: dict[str, list[str]]) -> str:
+    """Per cell: median of each side's ratios over the rounds, then after / before."""
+    per = {side: [ratio_cells(t) for t in texts] for side, texts in outputs.items()}
+    keys = sorted(set().union(*(c.keys() for c in per["before"])) & set().union(*(c.keys() for c in per["after"])))
+    lines = ["| row | column | before | after | after / before |", "|---|---|---:|---:|---:|"]
+    for key in keys:
+        med = {side: statistics.median(c[key] for c in per[side] if key in c) for side in per}
+        lines.append(f"| {key[0]} | {key[1]} | {med['before']:.3f}x | {med['after']:.3f}x | "
+                     f"{med['after'] / med['before']:.3f} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -39,6 +72,7 @@ def main(argv=None) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
     order = list(sides)
+    outputs: dict[str, list[str]] = {side: [] for side in sides}
     for r in range(args.rounds):
         for side in (order if r % 2 == 0 else order[::-1]):
             root = sides[side]
@@ -53,6 +87,8 @@ def main(argv=None) -> int:
                 (args.out / f"{side}-{r + 1}.txt").write_text(text)
             if run.returncode:
                 return run.returncode
+            outputs[side].append(run.stdout)
+    print(f"===== medians over {args.rounds} rounds of the ratio cells =====\n{summary(outputs)}")
     return 0
 
 

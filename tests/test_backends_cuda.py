@@ -412,11 +412,11 @@ def test_plan_is_derived_once_per_mask_object():
     another mask object (the next forward) plans again, so a mask changed in place between forwards is replanned."""
     keys = _keys(2, 16, [(3, 16)])
     mask = parse_mask(keys, True, 2, 4, 16, 16, torch.device("cpu"))
-    first = cuda_flash.plan(mask, 2, 4, 2)
-    assert cuda_flash.plan(mask, 2, 4, 2) is first
+    first = cuda_flash.kernel_parts(mask, 2, 4, 2)
+    assert cuda_flash.kernel_parts(mask, 2, 4, 2) is first
     keys[1, ..., 5] = False  # row 1 no longer contiguous
     assert "contiguous" in cuda_flash.reason(parse_mask(keys, True, 2, 4, 16, 16, torch.device("cpu")), 2)
     with torch.inference_mode():
         docs = _docs(2, 16, [[4]])
-        parts = cuda_flash.plan(parse_mask(None, True, 2, 4, 16, 16, torch.device("cpu"), document_ids=docs), 2, 4, 2)
+        parts = cuda_flash.kernel_parts(parse_mask(None, True, 2, 4, 16, 16, torch.device("cpu"), document_ids=docs), 2, 4, 2)
     assert parts[0].cu_q.tolist() == [0, 4, 16, 20, 32]

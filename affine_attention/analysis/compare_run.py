@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..text.read import json_lines
+from .._files import log_records
 from ..variants import REFERENCE as BASELINE
 from ..variants import REGISTRY
 from . import gradstats
@@ -68,7 +68,8 @@ def scalar(v) -> float | None:
 
 
 def _read_metrics(run: SeedRun) -> None:
-    for _, rec in json_lines(run.path / "metrics.jsonl"):
+    """The run's records, read as the trainer reads them (`_files.log_records`: a last line cut by a kill skipped)."""
+    for _, rec in log_records(run.path / "metrics.jsonl"):
         kind = rec.get("kind", "train")
         if kind == "config":
             run.header = rec

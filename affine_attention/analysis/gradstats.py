@@ -8,7 +8,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..text.read import json_lines
+from .._files import log_records
 
 __all__ = ["read_grad_norms", "grad_norm_stats", "spike_counts", "stats_from_file"]
 
@@ -32,7 +32,7 @@ def read_grad_norms(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     step, or a step line without a numeric grad_norm.
     """
     by_step: dict[int, float] = {}
-    for lineno, rec in json_lines(path):
+    for lineno, rec in log_records(path):
         if not isinstance(rec, dict):
             raise ValueError(f"{path}: line {lineno}: expected a JSON object, got {type(rec).__name__}")
         if not _is_step_line(rec):

@@ -1,4 +1,5 @@
-"""`affine-attention eval`: zero-shot tasks and/or perplexity for a local transformers model directory."""
+"""`affine-attention eval`: zero-shot tasks and/or perplexity for a local transformers model directory; with
+--write-tasks, the fixture tasks written out for lm-eval's own command."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def add_commands(subparsers) -> None:
             "(a pipeline check, not a benchmark)."
         ),
     )
-    parser.add_argument("--model", required=True, help="local model directory (config.json + weights), a .gguf file or smollm2")
+    parser.add_argument("--model", help="local model directory (config.json + weights), a .gguf file or smollm2")
     parser.add_argument("--tokenizer", help="local tokenizer directory, .gguf file, or 'default' (the packaged "
                         "tokenizer of the tiny presets); default: the model's own")
     parser.add_argument(
@@ -67,12 +68,38 @@ def add_commands(subparsers) -> None:
         help="forbid dataset downloads (default: follow HF_DATASETS_OFFLINE / HF_HUB_OFFLINE)",
     )
     parser.add_argument("--out", metavar="DIR", help="write results.json and results.md here")
+    parser.add_argument("--write-tasks", metavar="DIR", help="only write the fixture tasks into DIR (a new or empty "
+                        "folder) as task files lm-eval's own command reads: lm_eval --include_path DIR ...")
     parser.set_defaults(func=_run)
+
+
+def _write_tasks(folder: str) -> int:
+    """`--write-tasks DIR`: the fixture tasks with their paths filled in (the shipped YAMLs are templates)."""
+    from pathlib import Path
+
+    from .tasks import FIXTURE_TASKS, materialize_fixture_tasks
+
+    out = Path(folder)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--write-tasks {folder}: {'is not empty' if out.is_dir() else 'is a file'}; "
+                         "give a new or empty folder (nothing there is replaced)")
+    out = materialize_fixture_tasks(out)
+    print(f"wrote the fixture tasks ({', '.join(FIXTURE_TASKS)}) to {out}; run them with lm-eval's command:\n"
+          f"  lm_eval --model hf --model_args pretrained=MODEL_DIR,trust_remote_code=True --include_path {out} "
+          "--tasks fixture_piqa")
+    return 0
 
 
 def _run(args) -> int:
     from pathlib import Path
 
+    if args.write_tasks:
+        if args.model or args.tasks or args.ppl:
+            raise ValueError("--write-tasks only writes task files: run it without --model, --tasks and --ppl")
+        return _write_tasks(args.write_tasks)
+    if not args.model:
+        raise ValueError("--model is required: a local model directory, a .gguf file or smollm2 "
+                         "(or --write-tasks DIR to only write the fixture tasks for lm-eval's own command)")
     if not args.tasks and not args.ppl:
         raise ValueError("nothing to do: give --tasks (e.g. --tasks fixtures) and/or --ppl FILE")
     if args.ppl and not Path(args.ppl).is_file():

@@ -1,5 +1,6 @@
 """Zero-shot evaluation with the real lm-evaluation-harness on an in-memory transformers model (`evaluate`): the
-tasks of tasks.py run through lm-eval's HFLM adapter, the random states and offline mode kept as they were."""
+tasks of tasks.py run through lm-eval's HFLM adapter, the random states and offline mode kept as they were; and the
+check that every task's data can be had (`check_task_data`), for commands that evaluate only after long work."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from .tasks import FIXTURE_TASKS, expand_tasks, load_tasks, materialize_fixture_tasks, task_manager, \
-    user_task_folders
+from .tasks import EVAL_DATA_HINT, FIXTURE_TASKS, expand_tasks, load_tasks, materialize_fixture_tasks, \
+    task_manager, user_task_folders
 
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
@@ -22,12 +23,76 @@ _TRUE = {"1", "ON", "YES", "TRUE"}
 def is_offline() -> bool:
     """True when the environment asks for offline mode (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE /
     TRANSFORMERS_OFFLINE) or the datasets library was imported in offline mode."""
-    variables = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    if any(os.environ.get(var, "").upper() in _TRUE for var in variables):
-        return True
+    return _offline_setting() is not None
+
+
+def _offline_setting() -> str | None:
+    """Which setting asks for offline mode, in words (e.g. 'HF_DATASETS_OFFLINE=1'); None when none does."""
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").upper() in _TRUE:
+            return f"{var}={os.environ[var]}"
     import datasets
 
-    return bool(datasets.config.HF_HUB_OFFLINE)
+    return "datasets.config.HF_HUB_OFFLINE = True" if datasets.config.HF_HUB_OFFLINE else None
+
+
+def _hub_reachable(timeout: float = 5.0) -> bool:
+    """Whether the Hugging Face hub answers one HEAD request within `timeout` (proxies honoured). The request runs in
+    a thread that is waited for at most `timeout`, because a name lookup with no network ignores socket timeouts."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    answered: list[bool] = []
+
+    def probe() -> None:
+        try:
+            urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout)
+            answered.append(True)
+        except urllib.error.HTTPError:  # an error status is still an answer: the hub can be reached
+            answered.append(True)
+        except (OSError, ValueError):
+            answered.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(answered and answered[0])
+
+
+def offline_reason(names: Sequence[str], offline: bool | None = None) -> str | None:
+    """Why the data of `names` must come from local files or the cache, in words; None when the hub may be used.
+
+    offline True / False decides; None follows the environment (:func:`is_offline`) and, unless only fixture tasks
+    are asked for, checks that the hub answers: without network, datasets would retry each download for minutes.
+    """
+    if offline is not None:
+        return "offline mode is on (offline=True)" if offline else None
+    setting = _offline_setting()
+    if setting is not None:
+        return f"offline mode is on ({setting})"
+    if all(name in FIXTURE_TASKS for name in names):
+        return None
+    from huggingface_hub import constants
+
+    return None if _hub_reachable() else f"the hub ({constants.ENDPOINT}) is unreachable"
+
+
+def check_task_data(tasks: str | Sequence[str], include_path=None, *, hint: str = EVAL_DATA_HINT) -> list[str]:
+    """The expanded task names, after loading every task's data as `evaluate` will (from the local cache when
+    offline or the hub is unreachable): a pre-flight check for commands that evaluate only after long work.
+    Raises ValueError for an unknown name, TaskDataUnavailableError (one line, naming each task, its dataset and
+    what to do; `hint` as in tasks.load_tasks) for data that cannot be had."""
+    names = expand_tasks(tasks)
+    user_paths = user_task_folders(include_path)
+    reason = offline_reason(names)
+    with tempfile.TemporaryDirectory(prefix="affine_attention_tasks_") as tmp, _hub_offline(reason is not None):
+        fixture_tasks = materialize_fixture_tasks(tmp)
+        manager = task_manager(names, [str(fixture_tasks)] + [str(p) for p in user_paths], user_paths)
+        load_tasks(manager, names, reason, hint)
+    return names
 
 
 @contextlib.contextmanager
@@ -126,8 +191,9 @@ def evaluate(
             ``fixtures`` (all of :data:`FIXTURE_TASKS`) and ``paper`` (:data:`PAPER_TASKS`). The paper
             tasks need the Hub or a local datasets cache; fixture tasks always work offline.
         offline: forbid network access for datasets. ``None``: follow the environment
-            (:func:`is_offline`). When offline, a task whose data is not cached raises
-            :class:`TaskDataUnavailableError` (a ``ValueError``) naming the task and the alternatives.
+            (:func:`is_offline`), and go offline when the hub does not answer. When offline, a task whose data is
+            not cached raises :class:`TaskDataUnavailableError` (a ``ValueError``) naming the task and the
+            alternatives.
         batch_size: requests per forward pass.
         limit: at most this many documents per task (a float < 1: that fraction). For tests only:
             limited results are not comparable with published numbers.
@@ -152,16 +218,16 @@ def evaluate(
     if limit is not None and not (isinstance(limit, (int, float)) and limit > 0):
         raise ValueError(f"limit must be a positive number or None, got {limit!r}")
     user_paths = user_task_folders(include_path)
-    offline = is_offline() if offline is None else bool(offline)
+    reason = offline_reason(names, offline)
 
     if device is not None:
         model.to(device)
     was_training = model.training
-    with tempfile.TemporaryDirectory(prefix="affine_attention_tasks_") as tmp, _hub_offline(offline):
+    with tempfile.TemporaryDirectory(prefix="affine_attention_tasks_") as tmp, _hub_offline(reason is not None):
         fixture_tasks = materialize_fixture_tasks(tmp)
         # lm-eval lets later folders override earlier ones: the user's tasks win over our fixtures.
         manager = task_manager(names, [str(fixture_tasks)] + [str(p) for p in user_paths], user_paths)
-        built = load_tasks(manager, names, offline)
+        built = load_tasks(manager, names, reason)
         try:
             # backend="causal": lm-eval cannot tell from a converted model type (affine_llama, ...) that it is a
             # causal LM and warns that it is "neither marked as CausalLM or Seq2SeqLM".
@@ -183,7 +249,7 @@ def evaluate(
             "num_fewshot": raw.get("n-shot", {}),
             "limit": limit,
             "batch_size": batch_size,
-            "offline": offline,
+            "offline": reason is not None,
             "fixture_tasks_used": [name for name in names if name in FIXTURE_TASKS],
             "lm_eval_version": getattr(lm_eval, "__version__", None),
         },

@@ -149,15 +149,40 @@ def user_task_folders(include_path) -> list:
     return user_paths
 
 
-def load_tasks(manager, names: list[str], offline: bool) -> list:
-    """Build each requested task (this is where lm-eval loads the data); one clear error that names
-    every task whose data could not be loaded."""
-    built, failures = [], []
+def _dataset_of(manager, name: str) -> tuple[str, str | None] | None:
+    """(dataset_path, dataset_name) of a task, from lm-eval's index; None where it cannot say (a group, a tag, an
+    lm-eval whose index keeps no config)."""
+    cfg = getattr(manager.task_index.get(name), "cfg", None)
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("dataset_path"), str):
+        return None
+    return cfg["dataset_path"], cfg.get("dataset_name")
+
+
+# What to do when a task's data is missing offline, for `evaluate` and `affine-attention eval`.
+EVAL_DATA_HINT = (
+    "use the offline fixture tasks instead ({fixtures}; `--tasks fixtures` on the command line), or pass task "
+    "YAMLs that read local files (dataset_path: json, dataset_kwargs.data_files) with include_path"
+)
+
+
+def load_tasks(manager, names: list[str], offline_reason: str | None, hint: str = EVAL_DATA_HINT) -> list:
+    """Build each requested task (this is where lm-eval loads the data); one clear line that names every task whose
+    data could not be loaded. `offline_reason` says why the hub may not be used (None: online); `hint` is the
+    alternative to offer, with {fixtures} standing for the fixture task names."""
+    built, failures, missing = [], [], []
     for name in names:
         try:
             loaded = manager.load([name])
         except OSError as err:  # datasets' ConnectionError / FileNotFoundError / DatasetNotFoundError
-            failures.append(f"{name!r} ({err})")
+            dataset = _dataset_of(manager, name)
+            what = f"task {name}"
+            if dataset:
+                what += f": dataset {dataset[0]}" + (f" ({dataset[1]})" if dataset[1] else "")
+            if offline_reason and isinstance(err, ConnectionError):
+                failures.append(f"{what} is not in the local datasets cache")
+                missing.append(dataset)
+            else:  # a missing local file, a gated data set, ...: datasets' own words, first line
+                failures.append(f"{what}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
             continue
         # Pass lm-eval the built objects so it does not load the data a second time: the group
         # itself for a group, the task for a task, every tagged task for a tag.
@@ -168,14 +193,15 @@ def load_tasks(manager, names: list[str], offline: bool) -> list:
         else:
             built.extend(loaded["tasks"].values())
     if failures:
-        if offline:
-            hint = (
-                "offline mode is on and the data is not in the local datasets cache. Use the offline "
-                f"fixture tasks instead ({', '.join(FIXTURE_TASKS)}; `--tasks fixtures` on the command "
-                "line), or pass task YAMLs that read local files (dataset_path: json, "
-                "dataset_kwargs.data_files) with include_path"
-            )
+        import datasets
+
+        alternative = hint.format(fixtures=", ".join(FIXTURE_TASKS))
+        if missing:
+            path, config = next((d for d in missing if d), ("PATH", "NAME"))
+            call = f"datasets.load_dataset({path!r}" + (f", {config!r})" if config else ")")
+            todo = (f"{offline_reason}. Download the data on a machine with network (e.g. {call}) and copy its "
+                    f"datasets cache to {datasets.config.HF_DATASETS_CACHE} here, or {alternative}")
         else:
-            hint = "check the network connection, or pass task YAMLs that read local files with include_path"
-        raise TaskDataUnavailableError(f"cannot load the data of task(s) {'; '.join(failures)}. {hint}")
+            todo = f"check the network connection and the files, or {alternative}"
+        raise TaskDataUnavailableError(f"cannot load the data of {'; '.join(failures)}; {todo}")
     return built

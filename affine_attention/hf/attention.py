@@ -31,6 +31,7 @@ ATTN_IMPLEMENTATION = "affine_attention"
 X_KWARG = "affine_attention_x"
 CACHE_KWARG = "affine_attention_cache"
 TRUSTED_KWARG = "affine_attention_cache_trusted"
+KV_TRUSTED_KWARG = "affine_attention_cache_kv_trusted"
 
 
 def capture_attention_input(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
@@ -47,6 +48,7 @@ def capture_attention_input(module: nn.Module, args: tuple, kwargs: dict[str, An
     kwargs[X_KWARG] = x
     kwargs[CACHE_KWARG] = cache
     kwargs[TRUSTED_KWARG] = cache is not None and value_cache.before_update(cache, module.layer_idx)
+    kwargs[KV_TRUSTED_KWARG] = cache is not None and value_cache.kv_before_update(cache, module.layer_idx)
     return args, kwargs
 
 
@@ -162,7 +164,10 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         v_mean = value_cache.value_mean(cache, module.layer_idx, value, keys, T,
                                         getattr(variant.options, "bias_norm", "visible"),
                                         kwargs.get(TRUSTED_KWARG, False), kwargs.get(packing.FORWARD_KWARG))
-    out = variant(query, key, value, x, mask=mask, scale=scaling, token_mask=token_mask, v_mean=v_mean)
+    kv_nonfinite = None if cache is None else value_cache.nonfinite_heads(
+        cache, module.layer_idx, key, value, T, kwargs.get(KV_TRUSTED_KWARG, False))
+    out = variant(query, key, value, x, mask=mask, scale=scaling, token_mask=token_mask, v_mean=v_mean,
+                  kv_nonfinite=kv_nonfinite)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -9,8 +9,13 @@ tensor, so any of them makes the next step rebuild the sum from the cache, exact
 stale one. Only plain `DynamicLayer`s get a running sum. Static layers are written in place (so identity cannot
 tell a crop or reset) and decode under a (B, 1, 1, max_cache_len) key mask: for them the op averages the cache
 itself, exactly and statelessly, which also compiles (fixed shapes). Sliding-window and quantized layers likewise.
+
+The same layers keep, under the same rule, which heads hold a non-finite key or value row (`nonfinite_heads`), so a
+decoding step tests only the rows it appends, not the whole cache, for the op's NaN isolation.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -18,6 +23,8 @@ from torch import Tensor
 from .._compat import as_dtype, float_acc
 
 _SUM, _COUNT, _KEYS, _SRC = "_affine_vsum", "_affine_vcount", "_affine_keys", "_affine_vsrc"
+# Which heads of the layer hold a non-finite key or value row, and the (keys, values) tensors that record is of.
+_NONFINITE, _KV_SRC = "_affine_nonfinite", "_affine_kv_src"
 
 
 def _layer(cache, layer_idx: int):
@@ -33,6 +40,46 @@ def before_update(cache, layer_idx: int) -> bool:
     layer = _layer(cache, layer_idx)
     src = getattr(layer, _SRC, None)
     return src is not None and src is getattr(layer, "values", None)
+
+
+def kv_before_update(cache, layer_idx: int) -> bool:
+    """Like `before_update`, for the non-finite record: whether the layer still holds exactly the keys and values
+    that record was taken from."""
+    layer = _layer(cache, layer_idx)
+    src = getattr(layer, _KV_SRC, None)
+    return src is not None and src[0] is getattr(layer, "keys", None) and src[1] is getattr(layer, "values", None)
+
+
+def nonfinite_heads(cache, layer_idx: int, key: Tensor, value: Tensor, T: int, trusted: bool) -> Tensor | bool | None:
+    """(B, Hkv) bool: the heads of this layer's cache that hold a non-finite key or value row; False when none does
+    (eager CPU, where asking is cheap); None where the op must test the rows itself (not a plain DynamicLayer, or the
+    layer no longer holds these tensors).
+
+    key, value: (B, Hkv, S, D), the layer's whole cache after this step's update; trusted: `kv_before_update`. Kept
+    on the cache layer and updated from the T rows each step appends (O(T * D) instead of the op's O(S * D) test);
+    rebuilt from the whole cache when anything replaced it (crop, reorder, reset)."""
+    from transformers.cache_utils import DynamicLayer  # not at import: see _autoload
+
+    layer = _layer(cache, layer_idx)
+    if type(layer) is not DynamicLayer or layer.keys is not key or layer.values is not value:
+        return None
+    if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):
+        return None  # holding them would keep their autograd graph alive across steps
+    B, Hkv, S, _ = key.shape
+    old = getattr(layer, _NONFINITE, None) if trusted else None
+    incremental = old is False or (isinstance(old, Tensor) and old.shape == (B, Hkv))
+    k, v = (key[:, :, S - T:], value[:, :, S - T:]) if incremental else (key, value)
+    eager_cpu = key.device.type == "cpu" and not torch.compiler.is_compiling()
+    if eager_cpu and not isinstance(old, Tensor) and math.isfinite((k.sum() + v.sum()).item()):
+        bad = False  # the common case, in a few small ops (a nan or inf makes the sum non-finite; an overflow of
+        # finite rows only sends it on to the exact test below)
+    else:
+        bad = (~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))).any(-1)  # (B, Hkv)
+        if isinstance(old, Tensor) and incremental:
+            bad = bad | old
+    setattr(layer, _NONFINITE, bad)
+    setattr(layer, _KV_SRC, (key, value))
+    return bad
 
 
 def _same_keys(old: Tensor | None, new: Tensor | None, P: int, memo: dict | None) -> bool:

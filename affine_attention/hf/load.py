@@ -73,14 +73,31 @@ def _refuse_pickles(spec: str, folder: Path) -> None:
     raise ValueError(f"model {spec!r} has no *.safetensors weights; pass a folder written by save_pretrained")
 
 
+def _refuse_unconverted_config(spec: str, folder: Path, model) -> None:
+    """A converted checkpoint whose config.json was replaced by a plain one (model_type 'llama', no
+    affine_attention) loads as softmax through transformers' own class; its weights' metadata still records the
+    variant, so it is refused here. (Hub names are not local files: transformers' own loader is all they get.)"""
+    from . import models, spec_record
+
+    for path in spec_record.weights_files(folder) if folder.is_dir() else ():
+        recorded = spec_record.recorded_spec(path)
+        if recorded is not None:
+            raise ValueError(f"model {spec!r}: config.json describes an unconverted {type(model).__name__} (plain "
+                             f"softmax attention), but its weights were saved from a model converted to {recorded} "
+                             f"(recorded in the metadata of {path}); restore the config.json that save_pretrained "
+                             f"wrote (model_type 'affine_...', {models.layers.CONFIG_KEY} {recorded})")
+
+
 def load_model(spec: str, *, dtype=None, device=None, hub: bool = False, frozen: bool = False):
     """A transformers causal LM from `spec` (see module docstring), in eval mode, on `device` when given.
 
     Converted checkpoints come back with their attention variant (importing affine_attention registers the
-    converted architectures); plain ones unchanged. frozen: requires_grad off on every parameter (a KD teacher)."""
+    converted architectures), refused when config.json's variant spec differs from the one recorded in the weights;
+    plain ones unchanged, unless their weights record a variant (a converted checkpoint whose config.json was
+    replaced). frozen: requires_grad off on every parameter (a KD teacher)."""
     from transformers import AutoModelForCausalLM
 
-    from . import models  # noqa: F401  (registers the converted architectures so their checkpoints load)
+    from . import models  # registers the converted architectures so their checkpoints load
 
     path, kwargs = _local(spec, hub, "model")
     if "gguf_file" not in kwargs:
@@ -89,6 +106,8 @@ def load_model(spec: str, *, dtype=None, device=None, hub: bool = False, frozen:
     if dtype is not None:
         kwargs["dtype"] = dtype
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if "gguf_file" not in kwargs and not isinstance(model, models.AffineModelMixin):
+        _refuse_unconverted_config(spec, Path(path), model)  # converted classes check their own files on load
     if device is not None:
         model.to(device)
     model.eval()

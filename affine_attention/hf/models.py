@@ -6,12 +6,22 @@ original architecture and attaches the variants recorded in `config.affine_atten
 the weights. The distinct model type is what makes a converted checkpoint fail loudly, never load as softmax,
 where this package is not imported. Checkpoints also carry a small `auto_map` loader file (the Hub path), so
 `trust_remote_code=True` loads them wherever `affine-attention` is installed.
+
+The variant spec is also recorded in the metadata of every weights file (`save_pretrained`, every shard); loading
+refuses a config.json whose spec differs from it (see `check_weights_spec`).
 """
 from __future__ import annotations
 
+import inspect
+import json
 import os
+import shutil
+import struct
+import uuid
+import warnings
+from importlib import metadata as _dist
 
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 from . import _autoload
 
@@ -31,9 +41,11 @@ from transformers import (  # noqa: E402
 )
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
-from . import attention, layers  # noqa: E402  (siblings used at call time: they may still be initialising here)
+from . import attention, layers, spec_record  # noqa: E402  (siblings used at call time: they may still be initialising here)
 
 HUB_LOADER_FILE = "affine_attention_loader.py"
+_PENDING_ATTR = "_affine_attention_pending_record"  # (folder, weights variant, file states before the save)
+_READ_FILES_ATTR = "_affine_attention_read_files"  # the weights files transformers read in from_pretrained
 
 
 class AffineConfigMixin:
@@ -76,8 +88,9 @@ class AffineModelMixin:
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """transformers' loader, then a check it does not make: every variant weight must come from the
-        checkpoint (a missing one would run with an arbitrary value)."""
+        """transformers' loader, then checks it does not make: every variant weight must come from the
+        checkpoint (a missing one would run with an arbitrary value), and config.json's variant spec must be the
+        one recorded in the weights files' metadata (an edited config would run another attention function)."""
         want_info = kwargs.pop("output_loading_info", False)
         where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         try:
@@ -98,7 +111,29 @@ class AffineModelMixin:
             raise ValueError(f"the checkpoint lacks {len(missing)} weight(s) of its attention variant "
                              f"({model.config.affine_attention['variant']!r}), e.g. {sorted(missing)[:3]}; it is "
                              "incomplete or was not saved from a converted model")
+        files = model.__dict__.pop(_READ_FILES_ATTR, None)
+        if files is not None:
+            spec_record.check_weights_spec(model.config, files, str(where))
+        elif kwargs.get("state_dict") is None:
+            # Only a transformers version that reads weights without `_load_pretrained_model` gets here.
+            warnings.warn(f"{where}: transformers loaded these weights by a route affine_attention does not see, so "
+                          f"the variant spec recorded in their metadata was not compared with config.json",
+                          stacklevel=2)
         return (model, info) if want_info else model
+
+    @staticmethod
+    def _load_pretrained_model(model, state_dict, checkpoint_files, *args, **kwargs):
+        # transformers resolves which files it reads (local folder or Hub cache, subfolder, variant, index); noting
+        # them here lets from_pretrained check exactly those. A pickle is refused before torch.load could run it.
+        files = [str(f) for f in checkpoint_files or ()]
+        pickles = [f for f in files if not f.endswith(".safetensors")]
+        if pickles:
+            raise ValueError(f"the weights of this converted checkpoint are not safetensors ({pickles[0]}); "
+                             "affine_attention never loads pickled weights (unpickling runs arbitrary code): save the "
+                             "model with save_pretrained, which writes safetensors")
+        model.__dict__[_READ_FILES_ATTR] = files
+        return super(AffineModelMixin, type(model))._load_pretrained_model(model, state_dict, checkpoint_files,
+                                                                            *args, **kwargs)
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoModel"):
@@ -111,14 +146,44 @@ class AffineModelMixin:
                 "AutoModelForCausalLM": f"{module}.{cls.__name__}"}
 
     def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save, then the variant spec written into the metadata of every weights file it wrote."""
         self.config.auto_map = self.hub_auto_map()
-        if kwargs.get("is_main_process", True) and not os.path.isfile(save_directory):
+        given = inspect.signature(super().save_pretrained).bind(save_directory, *args, **kwargs).arguments
+        if given.get("is_main_process", True) and not os.path.isfile(save_directory):
             # Written first so that `push_to_hub=True`, which uploads from inside save_pretrained, includes it.
             os.makedirs(save_directory, exist_ok=True)
             write_hub_loader(save_directory)
-        return super().save_pretrained(save_directory, *args, **kwargs)
+            self.__dict__[_PENDING_ATTR] = (os.fspath(save_directory), given.get("variant"),
+                                            spec_record.file_states(save_directory))
+        try:
+            result = super().save_pretrained(save_directory, *args, **kwargs)
+            self._record_spec_in_weights()
+        finally:
+            self.__dict__.pop(_PENDING_ATTR, None)
+        return result
+
+    def _upload_modified_files(self, working_dir, *args, **kwargs):
+        # save_pretrained(push_to_hub=True) uploads from inside transformers' save: the spec goes in first.
+        self._record_spec_in_weights()
+        return super()._upload_modified_files(working_dir, *args, **kwargs)
+
+    def _record_spec_in_weights(self) -> None:
+        pending = self.__dict__.get(_PENDING_ATTR)
+        if pending is None:
+            return
+        directory, variant, before = pending
+        record = spec_record.spec_metadata(layers.spec_from_config(self.config))
+        for path in spec_record.weights_files(directory, variant):
+            # A file this save did not rewrite (e.g. a model.safetensors left by an unsharded save before a sharded
+            # one) keeps its own record: stamping it would vouch for weights this model did not write.
+            if before.get(path) != spec_record.file_state(path):
+                spec_record.stamp(path, record)
 
 
+# --- the variant spec in the weights files --------------------------------------------------------------------
+# config.json is a text file people edit; the safetensors headers travel with the weights and are written only by
+# save_pretrained. For parameter-free variants (softmax, off_by_one, ...) no weight tells them apart, so this record
+# is what catches a config edited from one to another.
 def write_hub_loader(directory: str | os.PathLike) -> str:
     """Write the loader that `auto_map` points to; transformers imports it only under trust_remote_code=True."""
     names = ", ".join(f"{c.__name__}, {m.__name__}" for c, m in _CLASSES.values())

@@ -15,6 +15,8 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> tuple[int, i
             raise ValueError(f"{name} must have rank 4 (B, H, T, D) like torch SDPA, got shape {tuple(t.shape)}")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if not isinstance(enable_gqa, bool):
+        raise ValueError(f"enable_gqa must be a bool (True for grouped-query attention), got {enable_gqa!r}")
     B, Hq, T, D = q.shape
     if D == 0:
         raise ValueError(f"q, k and v need a head dimension D >= 1, got shape {tuple(q.shape)}")

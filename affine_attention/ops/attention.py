@@ -98,13 +98,16 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
                             scale: float | None = None, bias_norm: str = "visible", enable_gqa: bool = False,
                             window: int | None = None, document_ids: Tensor | None = None,
                             backend: str | None = None, v_mean: Tensor | None = None,
-                            epilogue_impl: str | None = None, mask: MaskSpec | None = None) -> Tensor:
+                            epilogue_impl: str | None = None, mask: MaskSpec | None = None,
+                            kv_nonfinite: Tensor | None = None) -> Tensor:
     """Every variant's fast path: a softmax kernel (with the sink when sinks is given), then one epilogue pass.
 
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D); alpha: (B, Hq, T) with alpha_ma: (Hq,) for the affine part (or
     neither); gate: broadcastable to (B, Hq, T, D) or a float (see epilogue.epilogue); sinks: (Hq,) logits.
     Masks, scale, bias_norm, backend and v_mean as affine_scaled_attention; epilogue_impl forces "eager" or
     "triton"; mask: the mask already parsed (a MaskSpec, e.g. once per model forward) instead of the keywords.
+    kv_nonfinite: (B, Hkv) bool, True for the heads whose k or v hold a non-finite row, or False for none, where the
+    caller tracks it (a decoding cache, from the rows each step appends): it spares the test of every row.
     Returns (B, Hq, T, D) in q's dtype.
     """
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
@@ -120,8 +123,18 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
     if sinks is not None:
         check_per_head("sinks", sinks, Hq, q.device)
     impl = select_impl(q.device, epilogue_impl)  # a forced implementation that cannot run fails before the kernel
+    if q.numel() == 0:
+        # No query (B, Hq or T is 0): an empty output, as SDPA gives; kernels are not called on empty tensors.
+        # Its zero-sum term keeps every tensor input in the graph, so backward gives them (zero) gradients.
+        inputs = (q, k, v, alpha, alpha_ma, sinks, gate, v_mean)
+        return q.new_zeros((B, Hq, T, D)) + sum(t.sum() * 0 for t in inputs if isinstance(t, Tensor)).to(q.dtype)
 
-    k, v, seen = _isolate_nonfinite(k, v, mask, Hq)
+    if kv_nonfinite is not None and kv_nonfinite is not False and (
+            not isinstance(kv_nonfinite, Tensor) or kv_nonfinite.dtype != torch.bool
+            or tuple(kv_nonfinite.shape) != (B, Hkv)):
+        raise ValueError(f"kv_nonfinite must be a (B, Hkv) = {(B, Hkv)} bool tensor or False, got "
+                         f"{tuple(kv_nonfinite.shape) if isinstance(kv_nonfinite, Tensor) else kv_nonfinite!r}")
+    k, v, seen = _isolate_nonfinite(k, v, mask, Hq, kv_nonfinite)
     out, _ = backends.attention(q, k, v, mask, scale, sinks=sinks, backend=backend)
     if alpha is not None and v_mean is None:
         out = epilogue(out, alpha=alpha, alpha_ma=alpha_ma, gate=gate, v=v, mask=mask, bias_norm=bias_norm,
@@ -131,22 +144,32 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
     return _poison_seen(out, seen)
 
 
-def _isolate_nonfinite(k: Tensor, v: Tensor, mask: MaskSpec, Hq: int) -> tuple[Tensor, Tensor, Tensor | None]:
+def _isolate_nonfinite(k: Tensor, v: Tensor, mask: MaskSpec, Hq: int,
+                       known: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """k, v: (B, Hkv, S, D) -> (k, v with every non-finite key row and value row set to 0, seen), where
     seen: (B, Hkv|Hq, T|1, 1) bool is True for the queries that may see such a row (None when there is none).
+    known: (B, Hkv) bool, the heads that hold such a row, or False for none, when the caller knows (then no row is
+    read where that decides: none at all, or every query seeing every key).
 
     Kernels multiply hidden values by a zero weight and add a -inf bias to hidden logits; 0 * nan and nan - inf are
-    nan, so without this a padded or future key poisons rows that never see it. Nothing to do where the mask
-    hides no key: a non-finite row then reaches every output, as in the reference. Eager CPU first asks one
+    nan, so without this a padded or future key poisons rows that never see it. Eager CPU first asks one
     reduction per tensor (a nan or inf makes the sum non-finite; a finite overflow only sends it on to the exact
-    per-row test). Elsewhere (accelerators, torch.compile) asking would sync, so the rows are always cleaned."""
-    if not mask.kinds:
+    per-row test). Elsewhere (accelerators, torch.compile) asking would sync, so the rows are always tested (and,
+    under a mask, cleaned)."""
+    eager_cpu = k.device.type == "cpu" and not torch.compiler.is_compiling()
+    if known is False:
         return k, v, None
-    if k.device.type == "cpu" and not torch.compiler.is_compiling() and math.isfinite((k.sum() + v.sum()).item()):
+    if known is not None and not mask.kinds:
+        return k, v, known[:, :, None, None]
+    if eager_cpu and math.isfinite((k.sum() + v.sum()).item()):
         return k, v, None  # the common case
     bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # (B, Hkv, S)
-    if k.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(bad.any()):
+    if eager_cpu and not bool(bad.any()):
         return k, v, None  # every element finite after all: the sum overflowed
+    if not mask.kinds:
+        # Every query sees every key: each query of a head with a non-finite row is nan. Without this a key whose
+        # logit is -inf would drop out of the softmax and leave the output finite.
+        return k, v, bad.any(-1)[:, :, None, None]
     row = bad[..., None]
     seen, _ = visible_sum_and_count(row.to(v.dtype), mask, Hq)
     return k.masked_fill(row, 0), v.masked_fill(row, 0), seen > 0.5

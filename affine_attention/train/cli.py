@@ -47,9 +47,11 @@ def _train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if args.dry_run:
+        from .config import Range
         from .dryrun import dry_run, format_dry_run
 
-        world = args.world or int(os.environ.get("WORLD_SIZE", "1"))
+        world = args.world if args.world is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        Range(integer=True, ge=1).check("--world", world)  # a count of GPUs, as train.* counts are checked
         print(format_dry_run(dry_run(cfg, world), cfg.variant.name))
         return 0
     from .distributed import teardown

@@ -12,7 +12,6 @@ A report can be regenerated later from these files alone.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,8 @@ from .._environment import hardware, versions
 from .._files import atomic_write_json, atomic_write_text
 from .._numbers import mean_std
 from ..variants import REFERENCE
-from .config import RunConfig, config_json
+from .config import CompareConfig, RunConfig, config_json, field_range
+from .run_dir import read_result
 
 METRICS = [("final_train_loss", "final train loss", "{:.4f}"), ("heldout_loss", "held-out loss", "{:.4f}"),
            ("heldout_ppl", "held-out ppl", "{:.2f}"), ("tokens_per_s", "tokens/s", "{:,.0f}"),
@@ -69,14 +69,17 @@ def markdown(summary: dict[str, Any], title: str) -> str:
 
 def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, resume: bool = False,
             log=print) -> dict[str, Any]:
-    """Train every variant for every seed into out_dir and write summary.json / summary.md (see module doc)."""
+    """Train every variant for every seed (`seeds`, default compare.seeds) into out_dir and write summary.json /
+    summary.md (see module doc)."""
     from .distributed import setup
     from .loop import train
     from .model import base_model, tokenizer_spec, variant_options
     from .pretrained import load_tokenizer
 
     out_dir = Path(out_dir)
-    seeds = seeds or cfg.compare.seeds
+    if seeds is None:
+        seeds = cfg.compare.seeds
+    field_range(CompareConfig, "seeds").check("--seeds", seeds)  # the range compare.seeds declares
     info = setup(cfg.train.device)
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -92,7 +95,7 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, re
             done = run_dir / "result.json"
             if resume and done.is_file():
                 log(f"[compare] {variant} seed {k}: already done, reusing {done}")
-                results[variant].append(json.loads(done.read_text()))
+                results[variant].append(read_result(run_dir))
                 continue
             log(f"[compare] {variant} seed {k} -> {run_dir}")
             partial = resume and (run_dir / "metrics.jsonl").is_file()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import types
 import typing
 from pathlib import Path
@@ -16,7 +15,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from ..hf.presets import PRESETS
-from .config import RunConfig
+from .config import RunConfig, check_ranges
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -215,31 +214,13 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> RunConfig:
 
 
 def validate(cfg: RunConfig) -> None:
-    """Checks that need no torch: sizes positive, batch arithmetic, KD settings coherent."""
+    """Checks that need no torch: every numeric key within its declared range (config.check_ranges), then what
+    relates keys to each other (batch arithmetic, head counts, sources, KD settings)."""
+    check_ranges(cfg)
     t, d, k, m = cfg.train, cfg.data, cfg.kd, cfg.model
-    for where, value in (("train.steps", t.steps), ("train.global_batch", t.global_batch),
-                         ("train.micro_batch", t.micro_batch), ("data.seq_len", d.seq_len),
-                         ("data.eval_batch", d.eval_batch), ("model.vocab_size", m.vocab_size),
-                         ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
-                         ("model.num_kv_heads", m.num_kv_heads), ("model.hidden_size", m.hidden_size),
-                         ("model.intermediate_size", m.intermediate_size),
-                         ("model.max_position_embeddings", m.max_position_embeddings)):
-        if value <= 0:
-            raise ValueError(f"{where} must be positive, got {value}")
-    if m.head_dim < 0:
-        raise ValueError(f"model.head_dim must be positive (or 0: hidden_size // num_heads), got {m.head_dim}")
     if d.seq_len > m.max_position_embeddings:
         raise ValueError(f"data.seq_len ({d.seq_len}) exceeds model.max_position_embeddings "
                          f"({m.max_position_embeddings}); lower data.seq_len or raise model.max_position_embeddings")
-    o = cfg.optim
-    for where, value, strict in (("optim.lr", o.lr, True), ("optim.eps", o.eps, True),
-                                 ("optim.weight_decay", o.weight_decay, False),
-                                 ("optim.clip_grad_norm", o.clip_grad_norm, False)):
-        if not math.isfinite(value) or value < 0 or (strict and value == 0):
-            expected = "> 0" if strict else ">= 0" + (" (0 disables clipping)" if "clip" in where else "")
-            raise ValueError(f"{where} must be finite and {expected}, got {value}")
-    if not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in o.betas):
-        raise ValueError(f"optim.betas must be two numbers in [0, 1), got {o.betas}")
     if t.global_batch % t.micro_batch:
         raise ValueError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch "
                          f"({t.micro_batch}) times the number of ranks")
@@ -255,24 +236,9 @@ def validate(cfg: RunConfig) -> None:
             raise ValueError(f"{name}.kind = 'hub' needs {name}.name (a datasets hub name)")
         if src.kind == "corpus" and src.split not in ("train", "validation"):
             raise ValueError(f"{name}.split must be 'train' or 'validation' for the embedded corpus, got {src.split!r}")
-    if k.enabled:
-        if not k.teacher:
-            raise ValueError("kd.enabled = true needs kd.teacher (a folder, hub name, *.gguf file or alias)")
-        if not 0.0 <= k.kd_alpha <= 1.0:
-            raise ValueError(f"kd.kd_alpha must lie in [0, 1], got {k.kd_alpha}")
-        if k.temperature <= 0:
-            raise ValueError(f"kd.temperature must be positive, got {k.temperature}")
-        if k.top_k < 0:
-            raise ValueError(f"kd.top_k must be >= 0, got {k.top_k}")
-        if k.cache and k.top_k == 0:
-            raise ValueError("kd.cache = true stores top-k teacher logits: set kd.top_k (e.g. 64)")
-    if cfg.schedule.warmup_steps < 0 or not 0.0 <= cfg.schedule.decay_fraction <= 1.0:
-        raise ValueError("schedule.warmup_steps must be >= 0 and schedule.decay_fraction in [0, 1]")
-    if t.keep_checkpoints < 1 or t.checkpoint_every < 0 or t.eval_every < 0:
-        raise ValueError("train.keep_checkpoints must be >= 1, train.checkpoint_every and train.eval_every >= 0")
-    if len(cfg.optim.betas) != 2:
-        raise ValueError(f"optim.betas must have two numbers, got {cfg.optim.betas}")
+    if k.enabled and not k.teacher:
+        raise ValueError("kd.enabled = true needs kd.teacher (a folder, hub name, *.gguf file or alias)")
+    if k.enabled and k.cache and k.top_k == 0:
+        raise ValueError("kd.cache = true stores top-k teacher logits: set kd.top_k (e.g. 64)")
     if not cfg.compare.variants:
         raise ValueError("compare.variants must name at least one variant")
-    if cfg.compare.seeds <= 0:
-        raise ValueError(f"compare.seeds must be positive, got {cfg.compare.seeds}")

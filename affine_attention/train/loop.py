@@ -2,7 +2,6 @@
 single process or torchrun (DDP / FSDP2); `train()` runs them. The run folder is described in run_dir.py."""
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ from .._files import atomic_write_json
 from ..variants.running_stats import step_running_stats
 from . import checkpoint as ckpt
 from .config import RunConfig
+from .config_load import validate
 from .data import TrainBatches, data_key, eval_sequences, open_source, separator_id
 from .distributed import DistInfo, all_equal, all_reduce_sum, barrier, full_state, load_full_state, setup, wrap
 from .kd import Teacher
@@ -22,8 +22,8 @@ from .model import base_model as start_model
 from .model import convert, count_params, function_preserving, tokenizer_spec
 from .optim import build_optimizer, set_lr
 from .pretrained import load_tokenizer
-from .run_dir import check_no_run, check_out_dir, check_resume_config, final_losses, keep_partial_log, \
-    logged_config, logged_eval
+from .run_dir import RunLock, check_no_run, check_out_dir, check_resume_config, final_losses, keep_partial_log, \
+    logged_config, logged_eval, read_result
 from .steps import accumulate_gradients, autocast_for, clip_and_step, eval_record
 
 
@@ -51,7 +51,32 @@ class Trainer:
         self.label = label or self.variant
         self.out_dir, self.resume = Path(out_dir), resume
         check_out_dir(self.out_dir, resume)  # before anything is built or written
+        validate(cfg)  # a config built in code is checked as a loaded one is
         self.info: DistInfo = setup(self.tc.device)
+        self.say = log if self.info.is_main else (lambda *a, **k: None)
+        self.lock: RunLock | None = None
+        self.hold_folder()  # a folder that exists already: before minutes of building, so a second process stops
+        try:
+            self.build(base_model)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- building -------------------------------------------------------------------------------------------
+    def hold_folder(self) -> None:
+        """Rank 0 holds the run folder (run_dir.RunLock) from the moment it exists until `close`: a second process
+        on the same folder stops with an error naming the holder. Other ranks follow rank 0 and hold nothing."""
+        if self.info.is_main and self.lock is None and self.out_dir.is_dir():
+            self.lock = RunLock(self.out_dir)
+
+    def close(self) -> None:
+        """Give the run folder back (`run` does it however it ends)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def build(self, base_model) -> None:
+        """Everything a run needs before its first step: data, model, teacher, statistics, the metrics log."""
         if self.tc.threads:
             torch.set_num_threads(self.tc.threads)
         tc, world = self.tc, self.info.world
@@ -60,7 +85,6 @@ class Trainer:
                              f"({tc.micro_batch}) x ranks ({world})")
         self.n_micro = tc.global_batch // world // tc.micro_batch
         self.autocast, self.bf16 = autocast_for(self.info.device, tc.precision)
-        self.say = log if self.info.is_main else (lambda *a, **k: None)
         self.tokens_per_step = tc.global_batch * self.dc.seq_len
         self.start_step, self.wall0, self.tokens_seen = 0, 0.0, 0
         self.train_time, self.last_eval = 0.0, None
@@ -71,8 +95,8 @@ class Trainer:
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.info.is_main)
         if self.info.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
+            self.hold_folder()
 
-    # --- building -------------------------------------------------------------------------------------------
     def build_data(self) -> None:
         """The tokenizer, this rank's training batches and the held-out sequences (eval and probe)."""
         cfg, dc, tc, info = self.cfg, self.dc, self.tc, self.info
@@ -279,6 +303,13 @@ class Trainer:
         return result
 
     def run(self) -> dict[str, Any]:
+        """Start or resume, train to train.steps and finish; the run folder is given back however it ends."""
+        try:
+            return self._run()
+        finally:
+            self.close()
+
+    def _run(self) -> dict[str, Any]:
         tc = self.tc
         if self.resume and self.nothing_saved():
             self.restart()
@@ -287,7 +318,7 @@ class Trainer:
             if self.start_step >= tc.steps:
                 self.say(f"the run in {self.out_dir} is already complete ({self.start_step} steps)")
                 if (self.out_dir / "result.json").is_file():
-                    return json.loads((self.out_dir / "result.json").read_text())
+                    return read_result(self.out_dir)
                 # Killed after final/ but before result.json: the held-out numbers of the last step, as logged
                 # (or measured again on the final weights if the log lost them), then the summary.
                 self.begin()

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._files import atomic_write_text
+from .._files import atomic_write_text, log_records
 from ..ops.logits import visible_logit_sums
 from ..variants import AttentionVariant
 from ..variants.running_stats import recomputing
@@ -44,17 +44,10 @@ def variant_modules(model: nn.Module) -> list[AttentionVariant]:
 
 
 def read_log(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl (none if it is absent), skipping a last line cut by a kill."""
+    """The records of a metrics.jsonl (none if it is absent), read by the one log reader (`_files.log_records`:
+    a last line cut by a kill is skipped, a damaged line elsewhere raises ValueError naming the file and line)."""
     path = Path(path)
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    return [rec for _, rec in log_records(path)] if path.is_file() else []
 
 
 class MetricsLog:

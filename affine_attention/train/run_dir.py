@@ -1,11 +1,13 @@
-"""A run's folder: what a run writes there, the checks before it starts or resumes, and what is read back from its
-metrics log (the config of a restart, logged evaluations, the final train loss)."""
+"""A run's folder: what a run writes there, the lock that keeps it to one process, the checks before it starts or
+resumes, and what is read back from it (result.json, and from its metrics log the config of a restart, logged
+evaluations, the final train loss)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Any
 
+from .._files import read_json
 from .config import RunConfig
 from .metrics import read_log
 
@@ -14,11 +16,63 @@ from .metrics import read_log
 #   checkpoints/step-N/    periodic checkpoints (checkpoint.py), newest train.keep_checkpoints kept
 #   final/                 the checkpoint at the last step (transformers-loadable, with the tokenizer)
 #   result.json            the run's summary (losses, held-out loss, perplexity, tokens/s, wall time, parameters)
-# A new run refuses a folder holding any of them (nothing is replaced silently).
+#   .lock                  the pid of the process that holds the folder (see RunLock)
+# A new run refuses a folder holding any of RUN_FILES (nothing is replaced silently).
 RUN_FILES = ("metrics.jsonl", "result.json", "final", "checkpoints")
 # Keys that may differ between a run and its resume (they change nothing computed).
 RESUME_FREE_KEYS = {"train.out_dir", "train.log_every", "train.threads"}
 FINAL_LOSS_WINDOW = 0.05  # final train loss = mean over the last 5% of steps (at least 1)
+LOCK_FILE = ".lock"
+
+
+class RunLock:
+    """Holds a run folder for this process: an exclusive fcntl.flock on <folder>/.lock until `release`.
+
+    The OS drops a flock when the process holding it ends, however it ends, so a killed run never leaves its folder
+    stuck. The file itself stays (deleting it would let two processes lock two files of one name); it names the
+    holder's pid for the error a second process gets. `enabled` false (ranks other than 0 under torchrun, which
+    follow rank 0): holds nothing. Without fcntl (not POSIX) a run is refused, never left unguarded."""
+
+    def __init__(self, folder: str | Path, enabled: bool = True):
+        self.folder, self.file = Path(folder), None
+        if not enabled:
+            return
+        try:
+            import fcntl
+        except ModuleNotFoundError:
+            raise ValueError(f"cannot lock the run folder {self.folder}: this platform has no fcntl.flock (POSIX "
+                             "only); train on Linux or macOS") from None
+        f = open(self.folder / LOCK_FILE, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # held by another process (or by another open of it in this one)
+            f.seek(0)
+            holder = f.read().strip() or "unknown: it is starting"
+            f.close()
+            raise ValueError(f"the run folder {self.folder} is held by another run (pid {holder}); wait for it to "
+                             "end or stop it, then run again (a killed run holds nothing)") from None
+        except OSError as err:  # e.g. a filesystem without locks
+            f.close()
+            raise ValueError(f"cannot lock the run folder {self.folder} ({err.strerror}); put the run on a local "
+                             "filesystem") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self.file = f
+
+    def release(self) -> None:
+        """Give the folder back (closing the file drops the flock); safe to call twice."""
+        if self.file is not None:
+            self.file.truncate(0)  # no stale pid for the next holder's errors
+            self.file.close()
+            self.file = None
+
+
+def read_result(out_dir: Path) -> dict[str, Any]:
+    """result.json of a finished run (read on --resume)."""
+    return read_json(Path(out_dir) / "result.json", "delete it and --resume again: the run's summary is rebuilt from "
+                     "its final checkpoint and metrics.jsonl")
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:

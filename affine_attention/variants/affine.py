@@ -35,7 +35,7 @@ class AffineOptions:
             raise ValueError(f"affine: option 'momentum' must lie in [0, 1], got {self.momentum}")
 
 
-class AffineAttention(AttentionVariant):
+class AffineAttention(AttentionVariant, running_stats.RunningStats):
     """alpha_ma semantics: a per-head buffer starting at 0, frozen in eval, used as it is by every forward of an
     optimizer step. In training each forward only adds alpha over its real tokens to `alpha_acc` (a recomputation
     by activation checkpointing adds nothing); `affine_attention.step_running_stats(model)`, once per optimizer
@@ -112,6 +112,9 @@ class AffineAttention(AttentionVariant):
         new = torch.lerp(mean, ma.to(dt), self.options.momentum)
         ma.copy_(torch.where(count > 0, new, ma.to(dt)))
         self.alpha_acc.zero_()
+
+    def running_accumulator(self) -> Tensor:
+        return self.alpha_acc
 
     def token_statistics(self, x):
         return {"alpha": self.compute_alpha(x)}

@@ -126,13 +126,21 @@ class AttentionVariant(nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, *, attn_mask: Tensor | None = None,
                 is_causal: bool = False, window: int | None = None, document_ids: Tensor | None = None,
                 mask: MaskSpec | None = None, scale: float | None = None, token_mask: Tensor | None = None,
-                v_mean: Tensor | None = None, backend: str | None = None) -> Tensor:
+                v_mean: Tensor | None = None, backend: str | None = None,
+                kv_nonfinite: Tensor | None = None) -> Tensor:
         """The mask either parsed (mask=, e.g. once per model forward by the transformers seam) or as the op
-        keywords attn_mask / is_causal / window / document_ids ((B, S) int); backend: as on the ops."""
+        keywords attn_mask / is_causal / window / document_ids ((B, S) int); backend: as on the ops. v_mean and
+        kv_nonfinite: what a decoding cache knows (see ops.attention.attention_with_epilogue)."""
         self._check_x(x, q)
+        if token_mask is not None and (not isinstance(token_mask, Tensor) or token_mask.dtype != torch.bool
+                                       or tuple(token_mask.shape) != tuple(x.shape[:2])):
+            got = (f"{token_mask.dtype} {tuple(token_mask.shape)}" if isinstance(token_mask, Tensor)
+                   else type(token_mask).__name__)
+            raise ValueError(f"token_mask must be a bool tensor (B, T) = {tuple(x.shape[:2])}, True on real tokens; "
+                             f"got {got} (convert an attention mask with `.bool()`)")
         mask = self.parsed_mask(q, k, mask, attn_mask, is_causal, window, document_ids)
         return self.attend(q, k, v, x, mask=mask, scale=scale, token_mask=token_mask, v_mean=v_mean,
-                           backend=backend)
+                           backend=backend, kv_nonfinite=kv_nonfinite)
 
     def reference(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, *, attn_mask: Tensor | None = None,
                   is_causal: bool = False, window: int | None = None, document_ids: Tensor | None = None,
@@ -164,14 +172,15 @@ class AttentionVariant(nn.Module):
         return None
 
     # mask: the parsed MaskSpec (attend) or its op keywords (attend_reference: the references take keywords).
-    def attend(self, q, k, v, x, *, mask: MaskSpec, scale, token_mask, v_mean, backend) -> Tensor:
+    def attend(self, q, k, v, x, *, mask: MaskSpec, scale, token_mask, v_mean, backend, kv_nonfinite) -> Tensor:
         p = self.prologue(x, token_mask)
         if (p.sinks is not None) != self.needs_lse or (p.alpha is not None) != self.uses_value_mean:
             raise ValueError(f"variant {self.name!r}: its prologue does not match what it declares it needs from "
                              f"the kernel (needs_lse={self.needs_lse}, uses_value_mean={self.uses_value_mean})")
         return attention_with_epilogue(q, k, v, alpha=p.alpha, alpha_ma=p.alpha_ma, gate=p.gate, sinks=p.sinks,
                                        mask=mask, scale=scale, bias_norm=p.bias_norm, enable_gqa=self._gqa,
-                                       backend=backend, v_mean=v_mean if p.alpha is not None else None)
+                                       backend=backend, v_mean=v_mean if p.alpha is not None else None,
+                                       kv_nonfinite=kv_nonfinite)
 
     def attend_reference(self, q, k, v, x, *, mask: dict[str, Any], scale):
         out, w = softmax_attention_reference(q, k, v, **mask, scale=scale, enable_gqa=self._gqa)
@@ -206,6 +215,11 @@ class AttentionVariant(nn.Module):
         return self.shape.num_heads != self.shape.num_kv_heads
 
     def _check_x(self, x: Tensor, q: Tensor) -> None:
+        if not isinstance(x, Tensor) or not isinstance(q, Tensor):
+            raise ValueError(f"{self.name}: q must be the (B, Hq, T, D) queries and x the (B, T, hidden) attention "
+                             f"input (after the pre-norm), got q {type(q).__name__} and x {type(x).__name__}")
+        if q.dim() != 4:
+            raise ValueError(f"q must have rank 4 (B, Hq, T, D), got shape {tuple(q.shape)}")
         B, Hq, T, _ = q.shape
         if x.dim() != 3 or x.shape[0] != B or x.shape[1] != T or x.shape[2] != self.shape.hidden_size:
             raise ValueError(f"x (the attention input) must have shape (B, T, hidden) = "
@@ -219,6 +233,10 @@ class AttentionVariant(nn.Module):
             # Lower precisions may mix under autocast; float64 is all or nothing (the reference checks run in it).
             raise ValueError(f"x is {x.dtype} but q is {q.dtype}: float64 must be used for both (and for the "
                              "module: `.double()`) or for neither")
+        p = next(self.parameters(), None)
+        if p is not None and (p.dtype == torch.float64) != (x.dtype == torch.float64):
+            raise ValueError(f"x is {x.dtype} but this {self.name} layer's parameters are {p.dtype}: float64 must be "
+                             "used for the inputs and the module (`.double()`) or for neither")
 
     def extra_repr(self) -> str:
         return f"variant={self.name!r}, options={self.options}"

@@ -29,7 +29,7 @@ class GateMixin:
         """x: (B, T, hidden) -> gate (B, Hq, T, D) elementwise or (B, Hq, T, 1) headwise (a view, no copy)."""
         B, T, _ = x.shape
         g = torch.sigmoid(self.gate_proj(x))  # (B, T, Hq*D) or (B, T, Hq)
-        return g.view(B, T, self.shape.num_heads, -1).transpose(1, 2)
+        return g.view(B, T, self.shape.num_heads, g.shape[-1] // self.shape.num_heads).transpose(1, 2)
 
     def retrofit(self) -> float:
         # gate_proj starts at zero: every gate is sigmoid(0) = 0.5 and still gets gradient.

@@ -27,10 +27,33 @@ def recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def stat_modules(model: nn.Module) -> list[nn.Module]:
-    """Every submodule that accumulates running statistics (it has `alpha_acc` and `apply_running_stats`)."""
-    return [m for m in model.modules() if hasattr(m, "apply_running_stats") and isinstance(
-        getattr(m, "alpha_acc", None), Tensor)]
+class RunningStats(nn.Module):
+    """The protocol of a module with running statistics: forwards in training add to its `running_accumulator()`
+    (a buffer), and `apply_running_stats(acc)` applies one step from that accumulator summed over the data-parallel
+    group. `step_running_stats` finds such modules by this class (not by attribute names, which wrappers such as
+    PEFT's ModulesToSaveWrapper forward too). A copy (`copy.deepcopy`, pickling, PEFT's trained copy of a module) is
+    watched like the original (see `watch`)."""
+
+    def running_accumulator(self) -> Tensor:
+        raise NotImplementedError
+
+    def apply_running_stats(self, acc: Tensor) -> None:
+        raise NotImplementedError
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        watch(self)
+
+
+def stat_modules(model: nn.Module) -> list[RunningStats]:
+    """Every submodule with running statistics, once per accumulator (a module reached twice is stepped once)."""
+    seen: set[int] = set()
+    mods = []
+    for m in model.modules():
+        if isinstance(m, RunningStats) and id(m.running_accumulator()) not in seen:
+            seen.add(id(m.running_accumulator()))
+            mods.append(m)
+    return mods
 
 
 @torch.no_grad()
@@ -48,7 +71,7 @@ def step_running_stats(model: nn.Module, group=None) -> int:
         _WATCHED.discard(m)
     if not mods:
         return 0
-    accs = [m.alpha_acc for m in mods]
+    accs = [m.running_accumulator() for m in mods]
     flat = torch.cat([a.to(accs[0].device) for a in accs])  # (sum of (Hq + 1),) int64
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
@@ -77,7 +100,8 @@ _MESSAGE = ("affine_attention: this model is training but its running statistics
 
 
 def watch(module: nn.Module) -> None:
-    """Called by a module with running statistics when it is built: warn once if training never steps it."""
+    """Called by a module with running statistics when it is built or copied: warn once if training never steps it.
+    Its accumulator's last entry must count the tokens accumulated since the last step."""
     global _HOOK
     module._pending_at_last_optimizer_step = None
     module._idle_optimizer_steps = 0
@@ -92,11 +116,14 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
     if not due:
         return
     grew = False
-    dev = due[0].alpha_acc.device
-    counts = torch.stack([m.alpha_acc[-1].to(dev) for m in due]).tolist()  # one host sync, not one per layer
+    dev = due[0].running_accumulator().device
+    # The accumulator's last entry counts the tokens accumulated; one host sync, not one per layer.
+    counts = torch.stack([m.running_accumulator()[-1].to(dev) for m in due]).tolist()
     for m, count in zip(due, counts):
         last = m._pending_at_last_optimizer_step
-        grew |= last is not None and count > last
+        # Only a step that left something pending counts: after one with nothing accumulated (the first step, or the
+        # zero-gradient step torch.distributed.checkpoint takes to build optimizer state on resume) growth is new work.
+        grew |= last is not None and last > 0 and count > last
         m._pending_at_last_optimizer_step = count
         m._idle_optimizer_steps = m._idle_optimizer_steps + 1 if count == 0 else 0
         if m._idle_optimizer_steps >= _IDLE_CHECKS:

@@ -42,14 +42,14 @@ def _whole_bias(mask: MaskSpec, dtype: torch.dtype) -> tuple[Tensor | None, bool
     return bias, "causal" in mask.kinds
 
 
-def _plan(mask: MaskSpec, device: torch.device) -> list[tuple[int, int, int, int]]:
+def _key_blocks(mask: MaskSpec, device: torch.device) -> list[tuple[int, int, int, int]]:
     """Blocks (start, stop, key_lo, key_hi): queries start..stop-1 see only keys key_lo..key_hi-1; derived once per
     mask object (so once per model forward at the seam, for forward and backward of every layer)."""
     return mask.derived(("cpu_flash.blocks", device), lambda: _blocks(mask, device))
 
 
 def _blocks(mask: MaskSpec, device: torch.device) -> list[tuple[int, int, int, int]]:
-    """See `_plan`. Causal and window bound the band from the shapes alone; documents narrow it further from the
+    """See `_key_blocks`. Causal and window bound the band from the shapes alone; documents narrow it further from the
     ids (one host sync, skipped under torch.compile, where the wider shape-only band with its bias is still exact).
     """
     starts = list(range(0, mask.T, BLOCK))
@@ -89,7 +89,7 @@ class CpuFlashBackend(Backend):
         B, Hq, T, D = q.shape
         out = q.new_zeros(B, Hq, T, D)
         lse = torch.full((B, Hq, T), float("-inf"), dtype=float_acc(q.dtype), device=q.device)
-        for a, b, lo, hi in _plan(mask, q.device):
+        for a, b, lo, hi in _key_blocks(mask, q.device):
             if hi == lo:
                 continue  # no query of this block sees a key: out 0, lse -inf
             vis = mask.chunk_bool(a, b, q.device, lo, hi)
@@ -111,7 +111,7 @@ class CpuFlashBackend(Backend):
         # Bands overlap between blocks: accumulate dk, dv in float32 so low precision rounds once, not per block.
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        for a, b, lo, hi in _plan(mask, q.device):
+        for a, b, lo, hi in _key_blocks(mask, q.device):
             if hi == lo:
                 continue
             bias = _additive(mask.chunk_bool(a, b, q.device, lo, hi), q.dtype)

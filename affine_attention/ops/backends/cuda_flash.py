@@ -205,7 +205,7 @@ def reason(mask: MaskSpec, B: int) -> str | None:
     return None
 
 
-def plan(mask: MaskSpec, B: int, Hq: int, Hkv: int) -> list[Part] | None:
+def kernel_parts(mask: MaskSpec, B: int, Hq: int, Hkv: int) -> list[Part] | None:
     """The varlen calls for `mask` (None: one dense call), derived once per mask object (so once per forward)."""
     if mask.documents is None and mask.keys is None:
         return None
@@ -289,7 +289,7 @@ class CudaFlashBackend(Backend):
         B, Hq, T, D = q.shape
         S = k.shape[2]
         causal = _causal(mask)
-        parts = plan(mask, B, Hq, k.shape[1])
+        parts = kernel_parts(mask, B, Hq, k.shape[1])
         if parts is None:
             left, right = _window(mask, causal)
             out, lse = fwd(_bthd(q), _bthd(k), _bthd(v), None, None, T, S, 0.0, causal, False, scale=scale,
@@ -334,7 +334,7 @@ class CudaFlashBackend(Backend):
         # Back to the kernel's marker for empty rows: with +inf their weights exp(x - lse) are 0, not inf.
         empty = lse == float("-inf")
         lse = lse.to(float_acc(q.dtype)).masked_fill(empty, float("inf"))
-        parts = plan(mask, B, Hq, Hkv)
+        parts = kernel_parts(mask, B, Hq, Hkv)
         if parts is None:
             left, right = _window(mask, causal)
             dq, dk, dv = bwd(_bthd(dout), _bthd(q), _bthd(k), _bthd(v), _bthd(out), lse.contiguous(), None, None,
