@@ -22,32 +22,43 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1]
 
 
+_VALUE = re.compile(r"^([0-9.]+)x\b|^\+(-?[0-9.]+)$")  # "1.23x" (a ratio) or "+184.6" (an extra time)
+
+
 def ratio_cells(text: str) -> dict[tuple[str, str], float]:
-    """{(row label, column header): ratio} for every "1.23x" cell of the markdown tables in a benchmark's output."""
+    """{(row label, column header): value} for every ratio cell ("1.23x ...") and extra-time cell ("+184.6") of the
+    markdown tables in a benchmark's output. The row label is the row's cells before its first such cell, less the
+    absolute times (columns whose header names ms or µs), which differ between processes."""
     cells, header = {}, None
     for line in text.splitlines():
         if not line.startswith("|"):
             header = None
             continue
         parts = [c.strip() for c in line.strip().strip("|").split("|")]
-        if header is None:
-            header = parts
+        if header is None or set("".join(parts)) <= set("-: "):
+            header = header or parts
             continue
-        for name, cell in zip(header[1:], parts[1:]):
-            m = re.match(r"^([0-9.]+)x\b", cell)
-            if m and len(header) == len(parts):
-                cells[(parts[0], name)] = float(m.group(1))
+        if len(parts) != len(header):
+            continue
+        found = [(i, _VALUE.match(c)) for i, c in enumerate(parts)]
+        first = next((i for i, m in found if m), None)
+        if first is None:
+            continue
+        label = " ".join(c for c, h in zip(parts[:first], header[:first]) if "ms" not in h and "µs" not in h)
+        for i, m in found[first:]:
+            if m:
+                cells[(label, header[i])] = float(m.group(1) or m.group(2))
     return cells
 
 
 def summary(outputs: dict[str, list[str]]) -> str:
-    """Per cell: median of each side's ratios over the rounds, then after / before."""
+    """Per cell: median of each side's values over the rounds, then after / before."""
     per = {side: [ratio_cells(t) for t in texts] for side, texts in outputs.items()}
     keys = sorted(set().union(*(c.keys() for c in per["before"])) & set().union(*(c.keys() for c in per["after"])))
     lines = ["| row | column | before | after | after / before |", "|---|---|---:|---:|---:|"]
     for key in keys:
         med = {side: statistics.median(c[key] for c in per[side] if key in c) for side in per}
-        lines.append(f"| {key[0]} | {key[1]} | {med['before']:.3f}x | {med['after']:.3f}x | "
+        lines.append(f"| {key[0]} | {key[1]} | {med['before']:.3f} | {med['after']:.3f} | "
                      f"{med['after'] / med['before']:.3f} |")
     return "\n".join(lines)
 

@@ -103,6 +103,28 @@ def test_every_variant_has_its_own_colour_and_marker():
     assert sink.linestyle != affine.linestyle and sink.marker != affine.marker
 
 
+def test_the_registry_takes_any_number_of_variants_each_drawn_distinctly():
+    """Past the 9 Okabe-Ito colours and the fixed markers: a variant that names no colour or marker gets the first
+    free ones of an unbounded palette, so the 10th (or 40th) variant registers and is told apart."""
+    from affine_attention.variants.base import Display
+
+    added = []
+    try:
+        for i in range(40):
+            cls = type(f"Extra{i}", (variants.AttentionVariant,), {"name": f"extra_{i}", "display": Display(f"Extra {i}")})
+            added.append(variants.register_variant(cls).name)
+        shown = [cls.display for cls in variants.REGISTRY.values()]
+        assert len({d.color.upper() for d in shown}) == len(shown) == 8 + 40
+        assert len({d.marker for d in shown}) == len(shown)
+        assert all(len(d.color) == 7 and d.color.startswith("#") for d in shown)
+        with pytest.raises(ValueError, match="shares its colour or marker"):
+            variants.register_variant(type("Clash", (variants.AttentionVariant,), {
+                "name": "clash", "display": Display("Clash", shown[0].color, "o")}))
+    finally:
+        for name in added:
+            variants.unregister_variant(name)
+
+
 def test_roles_and_control_pairs_come_from_the_registry():
     assert {n: c.role for n, c in variants.REGISTRY.items() if c.role != "baseline"} == {
         "affine": "method", "affine_gated": "method", "scaled_softmax": "control", "affine_frozen": "control"}

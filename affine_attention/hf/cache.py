@@ -61,10 +61,9 @@ def nonfinite_heads(cache, layer_idx: int, key: Tensor, value: Tensor, T: int, t
     from transformers.cache_utils import DynamicLayer  # not at import: see _autoload
 
     layer = _layer(cache, layer_idx)
-    if type(layer) is not DynamicLayer or layer.keys is not key or layer.values is not value:
-        return None
-    if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):
-        return None  # holding them would keep their autograd graph alive across steps
+    if type(layer) is not DynamicLayer or layer.keys is not key or layer.values is not value or \
+            (key.requires_grad or value.requires_grad) and torch.is_grad_enabled():
+        return None  # (holding tensors that require grad would keep their autograd graph alive across steps)
     B, Hkv, S, _ = key.shape
     old = getattr(layer, _NONFINITE, None) if trusted else None
     incremental = old is False or (isinstance(old, Tensor) and old.shape == (B, Hkv))

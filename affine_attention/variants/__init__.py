@@ -1,12 +1,14 @@
 """Attention variants as modules, behind one registry that validates names and typed options."""
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
 from .affine import AffineAttention, AffineGatedAttention, AffineOptions, linear_clip
 from .affine_frozen import AffineFrozenAttention
-from .base import OKABE_ITO, AttentionShape, AttentionVariant, Display
+from .base import OKABE_ITO, AttentionShape, AttentionVariant, Display, palette_colour, palette_marker
 from .gated import GatedAttention, GatedOptions
 from .options import options_from_dict, options_to_dict
 from .scaled_softmax import ScaledSoftmaxAttention
@@ -30,10 +32,19 @@ def register_variant(cls: type[AttentionVariant]) -> type[AttentionVariant]:
         raise ValueError(f"a variant named {cls.name!r} is already registered ({REGISTRY[cls.name].__name__})")
     if cls.role not in ("method", "baseline", "control"):
         raise ValueError(f"{cls.__name__}.role must be 'method', 'baseline' or 'control', got {cls.role!r}")
+    used_colours = {other.display.color.upper() for other in REGISTRY.values()}
+    used_markers = [other.display.marker for other in REGISTRY.values()]
+    if cls.display.color is None or cls.display.marker is None:  # the first free ones of an unbounded palette
+        colour = cls.display.color or next(c for c in map(palette_colour, itertools.count())
+                                           if c.upper() not in used_colours)
+        marker = cls.display.marker or next(m for m in map(palette_marker, itertools.count())
+                                            if m not in used_markers)
+        cls.display = dataclasses.replace(cls.display, color=colour, marker=marker)
     for other in REGISTRY.values():  # figures tell variants apart by colour and by marker
         if cls.display.color.upper() == other.display.color.upper() or cls.display.marker == other.display.marker:
             raise ValueError(f"{cls.__name__}.display {cls.display} shares its colour or marker with "
-                             f"{other.name!r} ({other.display}); give it its own `display`")
+                             f"{other.name!r} ({other.display}); give it its own, or leave color / marker None "
+                             "for the first free ones of the palette")
     REGISTRY[cls.name] = cls
     return cls
 

@@ -1,6 +1,7 @@
 """The module-side contract every attention variant follows; softmax is the base and the others override pieces."""
 from __future__ import annotations
 
+import colorsys
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, NamedTuple, Union
 
@@ -37,6 +38,27 @@ OKABE_ITO = {
     "grey": "#999999",
 }
 
+# After the Okabe-Ito colours, Paul Tol's muted set (also safe for the common colour blindnesses); past both, hues
+# spread by the golden angle, so no number of variants runs out of colours.
+_TOL_MUTED = ("#332288", "#88CCEE", "#44AA99", "#117733", "#999933", "#DDCC77", "#CC6677", "#882255", "#AA4499")
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "h", "p", "<", ">", "d", "H", "8")
+
+
+def palette_colour(i: int) -> str:
+    """The i-th colour a variant without its own is given (hex)."""
+    fixed = (*OKABE_ITO.values(), *_TOL_MUTED)
+    if i < len(fixed):
+        return fixed[i]
+    r, g, b = colorsys.hls_to_rgb((i * 0.381966) % 1.0, 0.45, 0.65)
+    return "#{:02X}{:02X}{:02X}".format(round(r * 255), round(g * 255), round(b * 255))
+
+
+def palette_marker(i: int) -> Union[str, tuple]:
+    """The i-th marker a variant without its own is given: matplotlib's filled markers, then regular polygons
+    (matplotlib's (sides, style, angle) form) with ever more sides."""
+    return _MARKERS[i] if i < len(_MARKERS) else (i - len(_MARKERS) + 9, 0, 0)
+
+
 Role = Literal["method", "baseline", "control"]
 
 
@@ -44,12 +66,13 @@ Role = Literal["method", "baseline", "control"]
 class Display:
     """How every figure and report draws a variant: legend label, colour (hex), matplotlib marker and line style.
 
-    Each registered variant has its own colour and its own marker (checked by the tests), so lines stay apart in
-    greyscale and for colour-blind readers."""
+    Each registered variant has its own colour and its own marker (checked at registration), so lines stay apart in
+    greyscale and for colour-blind readers. None: `register_variant` gives the first colour / marker of the palette
+    no registered variant uses (`palette_colour`, `palette_marker`)."""
 
     label: str
-    color: str
-    marker: str
+    color: str | None = None
+    marker: Union[str, tuple, None] = None
     linestyle: Union[str, tuple] = "-"
 
 
@@ -233,8 +256,8 @@ class AttentionVariant(nn.Module):
             # Lower precisions may mix under autocast; float64 is all or nothing (the reference checks run in it).
             raise ValueError(f"x is {x.dtype} but q is {q.dtype}: float64 must be used for both (and for the "
                              "module: `.double()`) or for neither")
-        p = next(self.parameters(), None)
-        if p is not None and (p.dtype == torch.float64) != (x.dtype == torch.float64):
+        p = next(self.parameters(), None) if x.dtype == torch.float64 else None  # asked only where it can differ
+        if p is not None and p.dtype != torch.float64:
             raise ValueError(f"x is {x.dtype} but this {self.name} layer's parameters are {p.dtype}: float64 must be "
                              "used for the inputs and the module (`.double()`) or for neither")
 
