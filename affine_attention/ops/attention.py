@@ -99,7 +99,7 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
                             window: int | None = None, document_ids: Tensor | None = None,
                             backend: str | None = None, v_mean: Tensor | None = None,
                             epilogue_impl: str | None = None, mask: MaskSpec | None = None,
-                            kv_nonfinite: Tensor | None = None) -> Tensor:
+                            kv_nonfinite: Tensor | bool | None = None) -> Tensor:
     """Every variant's fast path: a softmax kernel (with the sink when sinks is given), then one epilogue pass.
 
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D); alpha: (B, Hq, T) with alpha_ma: (Hq,) for the affine part (or
@@ -145,7 +145,7 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
 
 
 def _isolate_nonfinite(k: Tensor, v: Tensor, mask: MaskSpec, Hq: int,
-                       known: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+                       known: Tensor | bool | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """k, v: (B, Hkv, S, D) -> (k, v with every non-finite key row and value row set to 0, seen), where
     seen: (B, Hkv|Hq, T|1, 1) bool is True for the queries that may see such a row (None when there is none).
     known: (B, Hkv) bool, the heads that hold such a row, or False for none, when the caller knows (then no row is

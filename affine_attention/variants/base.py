@@ -150,7 +150,7 @@ class AttentionVariant(nn.Module):
                 is_causal: bool = False, window: int | None = None, document_ids: Tensor | None = None,
                 mask: MaskSpec | None = None, scale: float | None = None, token_mask: Tensor | None = None,
                 v_mean: Tensor | None = None, backend: str | None = None,
-                kv_nonfinite: Tensor | None = None) -> Tensor:
+                kv_nonfinite: Tensor | bool | None = None) -> Tensor:
         """The mask either parsed (mask=, e.g. once per model forward by the transformers seam) or as the op
         keywords attn_mask / is_causal / window / document_ids ((B, S) int); backend: as on the ops. v_mean and
         kv_nonfinite: what a decoding cache knows (see ops.attention.attention_with_epilogue)."""
