@@ -77,6 +77,7 @@ examples (one per command; `affine-attention COMMAND --help` for its options):
   affine-attention compare --config tiny-ablation --out runs/ablation
   affine-attention report runs/ablation
   affine-attention params --preset llama-3.2-1b --variant affine
+  affine-attention families
   affine-attention eval --model runs/affine/final --tasks fixtures --ppl heldout.txt
   affine-attention analyze --model smollm2 --sequences 2 --length 256 --out analysis
 """

@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("transformers")
 
 import affine_attention  # noqa: E402,F401  (registers the converted model types)
+from affine_attention.hf.families import family_names, refusal  # noqa: E402
 from affine_attention.hf.presets import build_model  # noqa: E402
 
 # transformers 5.24 renamed the forward argument `past_key_values` to `cache` (the old name still works there, with
@@ -17,8 +18,21 @@ from transformers import LlamaForCausalLM as _Llama  # noqa: E402
 
 CACHE = "cache" if "cache" in inspect.signature(_Llama.forward).parameters else "past_key_values"
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]  # tiny-mistral has a sliding window of 4 tokens
+# Every family of the table; the tiny presets of mistral, gemma2, gemma3, mixtral and gpt_oss have a 4-token window.
+FAMILIES = family_names()
 VOCAB = 128
+
+
+def capped(model) -> bool:
+    """Whether the model caps its attention logits (Gemma 2). transformers' own sdpa cannot: 5.17 drops the cap
+    silently, 5.24 refuses; only its eager attention is a reference for such a model."""
+    return getattr(model.config, "attn_logit_softcapping", None) is not None
+
+
+def richest(family: str) -> str:
+    """The variant with the most new state that `family` converts to: affine_gated (alpha_proj, gate_proj, alpha_ma),
+    or gated where the family refuses the affine variants (GPT-OSS, whose attention has sinks of its own)."""
+    return "gated" if refusal(family, "affine_gated") else "affine_gated"
 
 
 def tiny(family: str, variant: str | None = None, *, seed: int = 0, dtype=None, **overrides):
@@ -26,6 +40,8 @@ def tiny(family: str, variant: str | None = None, *, seed: int = 0, dtype=None, 
     torch.manual_seed(seed)
     model = build_model(f"tiny-{family}", device="cpu", dtype=dtype, **overrides).eval()
     model.generation_config.eos_token_id = None  # random weights: never stop early, so sequences line up
+    if variant is None and capped(model):
+        model.set_attn_implementation("eager")  # the reference: transformers' sdpa cannot cap (see `capped`)
     if variant is not None:
         affine_attention.convert(model, variant)
     return model

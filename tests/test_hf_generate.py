@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_hf_common import CACHE, FAMILIES, VOCAB, left_padded, perturb, tiny
+from test_hf_common import CACHE, FAMILIES, VOCAB, left_padded, perturb, richest, tiny
 from transformers import DynamicCache
 
 import affine_attention.hf.cache as value_cache
@@ -53,7 +53,7 @@ def test_cached_decoding_matches_full_forward(variant):
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "llama"])
 def test_cached_decoding_other_families(family):
-    model = tiny(family, "affine_gated")  # mistral: 12 tokens through a 4-token sliding-window cache
+    model = tiny(family, richest(family))  # mistral and others: 12 tokens through a 4-token sliding-window cache
     perturb(model)
     _check_stepping_and_generate(model)
 

@@ -113,12 +113,10 @@ def test_merge_and_unload_matches_within_1e_6(trained, variant):
 
 
 def test_peft_config_arguments():
-    from affine_attention.hf.peft import DEFAULT_TARGETS
-
     model = tiny("llama", "affine")
     config = peft_config(model, r=2)
     assert "attn_variant" in config.modules_to_save
-    assert all(t in config.target_modules for t in DEFAULT_TARGETS)
+    assert all(t in config.target_modules for t in ("q_proj", "v_proj"))  # the family's (test_hf_families.py)
     with pytest.raises(ValueError, match="not converted"):
         peft_config(tiny("llama"), r=2)
     with pytest.raises(ValueError, match="all-linear"):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from test_hf_common import FAMILIES, left_padded, perturb, tiny, variant_state
+from test_hf_common import FAMILIES, left_padded, perturb, richest, tiny, variant_state
 from transformers import AutoModelForCausalLM
 
 from affine_attention.variants import variant_names
@@ -44,7 +44,7 @@ def test_roundtrip_every_variant(variant, tmp_path):
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "llama"])
 def test_roundtrip_every_family(family, tmp_path):
-    model = tiny(family, "affine_gated", dtype=torch.bfloat16)
+    model = tiny(family, richest(family), dtype=torch.bfloat16)
     perturb(model)
     loaded = _roundtrip(model, tmp_path)
     assert loaded.dtype == torch.bfloat16

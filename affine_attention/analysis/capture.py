@@ -197,9 +197,11 @@ class AttentionRecorder:
 
     # --- the chunked reduction ----------------------------------------------------------------
     def _record(self, index: int, module: AttentionVariant, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
-                mask: MaskSpec, scale: float | None, token_mask: Tensor | None) -> None:
+                mask: MaskSpec, scale: float | None, token_mask: Tensor | None, softcap: float | None,
+                model_sinks: Tensor | None) -> None:
         """q: (B, Hq, T, D), k, v: (B, Hkv, S, D), x: (B, T, hidden); mask: the very MaskSpec the layer's fast path
-        used (causal, padding, window, documents, dense alike); one block of queries at a time."""
+        used (causal, padding, window, documents, dense alike); softcap and model_sinks as the call had them (Gemma 2,
+        GPT-OSS); one block of queries at a time."""
         acc = self._acc[index]
         B, H, T, _ = q.shape
         S = k.shape[2]
@@ -216,9 +218,11 @@ class AttentionRecorder:
             vis = mask.chunk_bool(t0, t1, q.device, 0, hi)  # (B|1, 1|H, Tc, hi): the whole mask of this block
             qb, kb, vb, xb = q[:, :, t0:t1], k[:, :, :hi], v[:, :, :hi], x[:, t0:t1]
             qm = qmask[:, t0:t1] if qmask is not None else None
-            _, w, extras = module.reference(qb, kb, vb, xb, attn_mask=vis, scale=scale)
+            _, w, extras = module.reference(qb, kb, vb, xb, attn_mask=vis, scale=scale, softcap=softcap,
+                                            model_sinks=model_sinks)
             self._reduce(acc, w, vis, qm, extras, t0)
-            acc.qk = _add(acc.qk, visible_logit_sums(qb, kb, attn_mask=vis, scale=scale, query_mask=qm))
+            acc.qk = _add(acc.qk, visible_logit_sums(qb, kb, attn_mask=vis, scale=scale, query_mask=qm,
+                                                     softcap=softcap))
             del w, extras, vis
 
     def _reduce(self, acc: _Accumulator, w: Tensor, vis: Tensor, qm: Tensor | None, extras: dict, t0: int) -> None:
@@ -299,7 +303,8 @@ def _bind(module: AttentionVariant, args: tuple, kwargs: dict) -> dict[str, Any]
     ba.apply_defaults()
     a = ba.arguments
     mask = module.parsed_mask(a["q"], a["k"], a["mask"], a["attn_mask"], a["is_causal"], a["window"], a["document_ids"])
-    return {"mask": mask, **{name: a[name] for name in ("q", "k", "v", "x", "scale", "token_mask")}}
+    return {"mask": mask, **{name: a[name] for name in ("q", "k", "v", "x", "scale", "token_mask", "softcap",
+                                                         "model_sinks")}}
 
 
 def utilisation(records: list[LayerRecord], sink_excluded: bool = True) -> Tensor:

@@ -25,6 +25,7 @@ from transformers.utils import is_tracing  # noqa: E402
 from ..ops.masks import Varlen, parse_mask  # noqa: E402
 from . import cache as value_cache  # noqa: E402
 from . import packing  # noqa: E402
+from .families import HONOURED_KWARGS, INERT_KWARGS, family_of_config  # noqa: E402
 
 ATTN_IMPLEMENTATION = "affine_attention"
 # Keyword arguments the attention module's pre-hook adds; transformers forwards them to `attention_forward`.
@@ -32,6 +33,9 @@ X_KWARG = "affine_attention_x"
 CACHE_KWARG = "affine_attention_cache"
 TRUSTED_KWARG = "affine_attention_cache_trusted"
 KV_TRUSTED_KWARG = "affine_attention_cache_kv_trusted"
+# Every keyword `attention_forward` reads or may ignore; any other is refused (see `_check_kwargs`).
+_KNOWN_KWARGS = frozenset(HONOURED_KWARGS) | INERT_KWARGS | {
+    X_KWARG, CACHE_KWARG, TRUSTED_KWARG, KV_TRUSTED_KWARG, packing.FORWARD_KWARG, packing.DOCS_KWARG}
 
 
 def capture_attention_input(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
@@ -127,10 +131,26 @@ def _varlen(kwargs: dict[str, Any]) -> Varlen | None:
     return Varlen(cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k)
 
 
+def _check_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """A keyword this seam does not implement would otherwise be dropped silently (as Gemma 2's softcap once was):
+    refuse it, naming it and the family, whatever its value (an inert-looking None today may carry math tomorrow)."""
+    unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
+    if unknown:
+        try:
+            family = family_of_config(module.config).name
+        except (AttributeError, ValueError):
+            family = type(module).__name__
+        raise ValueError(f"the {family} attention ({type(module).__name__}) passes {unknown} to its attention "
+                         f"function, which affine_attention does not implement; computing without them would "
+                         f"silently change the model (implemented: {sorted(HONOURED_KWARGS)})")
+
+
 def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                       dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
-                      **kwargs) -> tuple[Tensor, None]:
-    """transformers attention interface: query (B, Hq, T, D), key/value (B, Hkv, S, D) -> ((B, T, Hq, D), None)."""
+                      softcap: float | None = None, s_aux: Tensor | None = None, **kwargs) -> tuple[Tensor, None]:
+    """transformers attention interface: query (B, Hq, T, D), key/value (B, Hkv, S, D) -> ((B, T, Hq, D), None).
+    softcap: Gemma 2's logit cap; s_aux: (Hq,) GPT-OSS's learned sink logits."""
+    _check_kwargs(module, kwargs)
     variant = getattr(module, "attn_variant", None)
     if variant is None:
         hint = ("this looks like a converted checkpoint loaded through its original class; load it with "
@@ -167,7 +187,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     kv_nonfinite = None if cache is None else value_cache.nonfinite_heads(
         cache, module.layer_idx, key, value, T, kwargs.get(KV_TRUSTED_KWARG, False))
     out = variant(query, key, value, x, mask=mask, scale=scaling, token_mask=token_mask, v_mean=v_mean,
-                  kv_nonfinite=kv_nonfinite)
+                  kv_nonfinite=kv_nonfinite, softcap=softcap, model_sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,4 +1,5 @@
-"""`affine-attention params`: the parameter overhead of every variant on the presets (cheap to import)."""
+"""`affine-attention params` (the parameter overhead of every variant on the presets) and `affine-attention families`
+(which model families and variants convert, and what is refused and why); cheap to import."""
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,52 @@ def _params(args: argparse.Namespace) -> int:
     return 0
 
 
+def families_table() -> str:
+    """Markdown: one row per family of the family table, one column per variant ("yes"; "yes, no retrofit" where
+    function_preserving=True is refused; "no [n]" with reason n below), then the family's attention and PEFT facts."""
+    from ..variants import AttentionShape, build_variant, variant_names
+    from .families import FAMILIES, refusal
+
+    variants = variant_names()
+    reasons: list[str] = []
+
+    def note(text: str) -> str:
+        if text not in reasons:
+            reasons.append(text)
+        return f"[{reasons.index(text) + 1}]"
+
+    def cell(family: str, variant: str) -> str:
+        why = refusal(family, variant)
+        if why:
+            return f"no {note(why)}"
+        try:
+            build_variant(variant, AttentionShape(8, 2, 1, 4)).retrofit()
+        except ValueError as err:
+            return f"yes, no retrofit {note(str(err))}"
+        return "yes"
+
+    lines = ["| family (transformers class) | " + " | ".join(variants) + " | attention function receives | "
+             "q/k/v projections | PEFT targets |", "|---|" + "---|" * (len(variants) + 3)]
+    for f in FAMILIES.values():
+        cells = " | ".join(cell(f.name, v) for v in variants)
+        lines.append(f"| {f.name} ({f.model_class}) | {cells} | {f.attention} | {f.projections} | "
+                     f"{', '.join(f.peft_targets)} |")
+    lines += [""] + [f"[{i}] {text}" for i, text in enumerate(reasons, 1)]
+    return "\n".join(lines)
+
+
+def _families(args: argparse.Namespace) -> int:
+    print(families_table())
+    return 0
+
+
 def add_commands(subparsers) -> None:
+    f = subparsers.add_parser("families", help="which transformers model families and variants convert",
+                              description="Print a markdown table: every supported model family (the family table, "
+                                          "affine_attention/hf/families.py) x every variant, what is refused and "
+                                          "why, and what each family's attention receives.")
+    f.set_defaults(func=_families)
+
     p = subparsers.add_parser("params", help="parameters each attention variant adds to a model preset",
                               description="Print a markdown table of the trainable parameters each variant adds "
                                           "(built on the meta device, no download).")

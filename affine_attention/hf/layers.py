@@ -10,6 +10,7 @@ from torch import nn
 from ..variants import AttentionShape, build_variant, options_to_dict, parse_options, variant_names
 from . import packing
 from .attention import capture_attention_input
+from .families import family_of_config
 
 CONFIG_KEY = "affine_attention"  # config.affine_attention = {"variant": name, "options": {...}}
 VARIANT_ATTR = "attn_variant"  # new parameters are named ...self_attn.attn_variant.<name>
@@ -71,12 +72,18 @@ def layer_shape(config, attn: nn.Module) -> AttentionShape:
 def attach_variants(model: nn.Module, spec: Mapping[str, Any]) -> None:
     """Give every attention layer an `attn_variant` module and the pre-hook that captures its input x."""
     config = model.config
+    family = family_of_config(config)
     for attn in attention_layers(model):
         if hasattr(attn, VARIANT_ATTR):
             raise ValueError(f"layer {attn.layer_idx} already has an attention variant "
                              f"({getattr(attn, VARIANT_ATTR).name!r}); convert an unconverted model")
         variant = build_variant(spec["variant"], layer_shape(config, attn), **spec["options"])
-        ref = attn.q_proj.weight
+        if family.native_sinks:
+            try:
+                variant.adopt_model_sinks()
+            except ValueError as err:
+                raise ValueError(f"cannot convert a {family.name} model to {spec['variant']!r}: {err}") from None
+        ref = next(m.weight for m in attn.modules() if isinstance(m, nn.Linear))  # q_proj, or a fused qkv_proj
         # New parameters follow the layer's device and dtype (meta while transformers builds the model to load).
         variant.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
         variant.train(attn.training)  # an eval-mode model must not start updating alpha_ma

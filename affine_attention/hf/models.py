@@ -1,5 +1,5 @@
-"""Config and model classes of converted checkpoints (model types `affine_llama`, `affine_qwen2`, `affine_qwen3`,
-`affine_mistral`), registered with AutoConfig / AutoModelForCausalLM.
+"""Config and model classes of converted checkpoints (model type `affine_<family>` for every family of
+families.FAMILIES, e.g. `affine_llama`), registered with AutoConfig / AutoModelForCausalLM.
 
 Each is a subclass of the transformers class that adds no modeling code: the model's `__init__` builds the
 original architecture and attaches the variants recorded in `config.affine_attention` before transformers loads
@@ -26,22 +26,10 @@ from safetensors import SafetensorError, safe_open
 from . import _autoload
 
 _autoload.uninstall()  # this module registers itself below; importing transformers must not re-enter it
-from transformers import (  # noqa: E402
-    AttentionInterface,
-    AutoConfig,
-    AutoModelForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
-from . import attention, layers, spec_record  # noqa: E402  (siblings used at call time: they may still be initialising here)
+from . import attention, families, layers, spec_record  # noqa: E402  (siblings used at call time: they may still be initialising here)
 
 HUB_LOADER_FILE = "affine_attention_loader.py"
 _PENDING_ATTR = "_affine_attention_pending_record"  # (folder, weights variant, file states before the save)
@@ -200,48 +188,26 @@ def write_hub_loader(directory: str | os.PathLike) -> str:
     return path
 
 
-class AffineLlamaConfig(AffineConfigMixin, LlamaConfig):
-    model_type = "affine_llama"
-
-
-class AffineQwen2Config(AffineConfigMixin, Qwen2Config):
-    model_type = "affine_qwen2"
-
-
-class AffineQwen3Config(AffineConfigMixin, Qwen3Config):
-    model_type = "affine_qwen3"
-
-
-class AffineMistralConfig(AffineConfigMixin, MistralConfig):
-    model_type = "affine_mistral"
-
-
-class AffineLlamaForCausalLM(AffineModelMixin, LlamaForCausalLM):
-    config_class = AffineLlamaConfig
-
-
-class AffineQwen2ForCausalLM(AffineModelMixin, Qwen2ForCausalLM):
-    config_class = AffineQwen2Config
-
-
-class AffineQwen3ForCausalLM(AffineModelMixin, Qwen3ForCausalLM):
-    config_class = AffineQwen3Config
-
-
-class AffineMistralForCausalLM(AffineModelMixin, MistralForCausalLM):
-    config_class = AffineMistralConfig
+def _converted_classes(family: families.Family) -> tuple[type, type]:
+    """(config class, model class) of converted checkpoints of `family`: model type `affine_<name>`, subclasses of
+    the family's transformers classes that add nothing but the mixins. Module-level names (AffineLlamaConfig,
+    AffineLlamaForCausalLM, ...) so that pickling and the Hub loader file find them."""
+    config_base, model_base = family.classes()
+    config_cls = type(f"Affine{config_base.__name__}", (AffineConfigMixin, config_base),
+                      {"model_type": f"affine_{family.name}", "__module__": __name__})
+    model_cls = type(f"Affine{model_base.__name__}", (AffineModelMixin, model_base),
+                     {"config_class": config_cls, "__module__": __name__})
+    globals()[config_cls.__name__], globals()[model_cls.__name__] = config_cls, model_cls
+    return config_cls, model_cls
 
 
 # family -> the transformers class convert() accepts, and the (config, model) classes it turns it into
-_ORIGINALS = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
-              "mistral": MistralForCausalLM}
-_CLASSES = {"llama": (AffineLlamaConfig, AffineLlamaForCausalLM), "qwen2": (AffineQwen2Config, AffineQwen2ForCausalLM),
-            "qwen3": (AffineQwen3Config, AffineQwen3ForCausalLM),
-            "mistral": (AffineMistralConfig, AffineMistralForCausalLM)}
+_ORIGINALS = {name: f.classes()[1] for name, f in families.FAMILIES.items()}
+_CLASSES = {name: _converted_classes(f) for name, f in families.FAMILIES.items()}
 
 
 def supported_families() -> list[str]:
-    return list(_ORIGINALS)
+    return families.family_names()
 
 
 def family_of(model) -> str:
@@ -251,14 +217,15 @@ def family_of(model) -> str:
         spec = getattr(model.config, layers.CONFIG_KEY, None) or {}
         raise ValueError(f"this model is already converted (variant {spec.get('variant')!r}); converting twice "
                          "would stack variants: convert the original model instead")
-    families = {cls: family for family, cls in _ORIGINALS.items()}
+    by_class = {cls: family for family, cls in _ORIGINALS.items()}
     for cls in type(model).__mro__:  # the nearest supported ancestor
-        if cls in families:
-            return families[cls]
+        if cls in by_class:
+            return by_class[cls]
     names = ", ".join(c.__name__ for c in _ORIGINALS.values())
     raise ValueError(f"cannot convert {type(model).__name__}: supported models are {names} and their subclasses "
                      "(the causal LM classes, as built by AutoModelForCausalLM); a model with another attention "
-                     "module needs a family of its own (docs/architecture.md, 'A model family')")
+                     "module needs an entry in affine_attention/hf/families.py (docs/architecture.md, 'A model "
+                     "family'); `affine-attention families` lists what is supported")
 
 
 def affine_classes(family: str, model_cls: type | None = None):

@@ -22,17 +22,16 @@ import warnings
 
 from torch import nn
 
+from .families import family_of_config
 from .layers import VARIANT_ATTR, variant_spec
-
-
-DEFAULT_TARGETS = ("q_proj", "v_proj")
 
 
 def peft_config(model: nn.Module, config=None, **lora_options):
     """A copy of `config` (a peft config with `modules_to_save`, e.g. LoraConfig; default: LoraConfig(**lora_options))
     that also trains and saves every layer's attention variant; `model` is the converted model it will wrap.
 
-    target_modules None means PEFT's default for Llama / Qwen / Mistral, ["q_proj", "v_proj"]. Names given
+    target_modules None means PEFT's default for the model's family (families.Family.peft_targets: ["q_proj",
+    "v_proj"] for most, ["qkv_proj"] for Phi-3's fused projection). Names given
     (e.g. ["q_proj", "gate_proj"]) become a regex matching only modules outside the
     variants, so a name the variant shares with the model (gated's `gate_proj`, the MLP's `gate_proj`) gets LoRA
     in the MLP and stays fully trained in the variant. A target_modules regex (a str) is passed on unchanged.
@@ -53,8 +52,8 @@ def peft_config(model: nn.Module, config=None, **lora_options):
     config.modules_to_save = sorted(set(config.modules_to_save or ()) | {VARIANT_ATTR})
     targets = config.target_modules
     if targets is None:
-        # PEFT's own default for these families; it does not know the converted model types (affine_llama, ...).
-        targets = DEFAULT_TARGETS
+        # PEFT's own default for the family; it does not know the converted model types (affine_llama, ...).
+        targets = family_of_config(model.config).peft_targets
     if targets == "all-linear" or (not isinstance(targets, str) and "all-linear" in targets):
         raise ValueError("peft_config: target_modules='all-linear' would put LoRA inside the attention variants; "
                          "name the modules instead, e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj']")

@@ -6,16 +6,13 @@ so paper-size shapes cost no memory.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
+
+from .families import FAMILIES
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                 "original_max_position_embeddings": 8192}
-
-
-def _tiny(model_type: str, **extra) -> dict[str, Any]:
-    return {"model_type": model_type, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 512,
-            "tie_word_embeddings": False, **extra}
 
 
 def _llama32(**sizes) -> dict[str, Any]:
@@ -47,11 +44,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 16384,
         "tie_word_embeddings": True},
-    # Tiny models for tests, one per supported family (Mistral with a small sliding window).
-    "tiny-llama": _tiny("llama"),
-    "tiny-qwen2": _tiny("qwen2"),
-    "tiny-qwen3": _tiny("qwen3", head_dim=16),
-    "tiny-mistral": _tiny("mistral", sliding_window=4),
+    # Tiny models for tests, one per supported family ("tiny-<family>", from the family table).
+    **{f"tiny-{f.name}": {"model_type": f.model_type, **f.tiny} for f in FAMILIES.values()},
 }
 
 PAPER_PRESETS = ("qwen1.5-0.5b", "llama-3.2-1b", "llama-3.2-3b")
@@ -63,7 +57,7 @@ def preset_config(name: str, **overrides):
 
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    values = {**PRESETS[name], **overrides}
+    values = {**copy.deepcopy(PRESETS[name]), **overrides}  # rows hold lists (layer_types) shared with the table
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 

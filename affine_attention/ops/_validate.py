@@ -94,3 +94,14 @@ def check_bias_norm(bias_norm: str) -> None:
             f"(N = key length, an ablation only), got {bias_norm!r}")
 
 
+
+
+def check_softcap(softcap) -> float | None:
+    """None (no cap) or a finite c > 0: logits become c * tanh(x / c)."""
+    if softcap is None:
+        return None
+    if (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap)
+            or softcap <= 0):
+        raise ValueError(f"softcap must be None or a finite number > 0 (logits become softcap * tanh(x / softcap)), "
+                         f"got {softcap!r}")
+    return float(softcap)

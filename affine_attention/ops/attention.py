@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import backends
-from ._validate import check_bias_norm, check_per_head, check_qkv, check_scale, check_v_mean
+from ._validate import check_bias_norm, check_per_head, check_qkv, check_scale, check_softcap, check_v_mean
 from .epilogue import epilogue, select_impl
 from .masks import MaskSpec, mask_of_call
 from .visible_sums import visible_sum_and_count
@@ -24,7 +24,8 @@ def affine_scaled_attention(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, alph
                             attn_mask: Tensor | None = None, is_causal: bool = False, scale: float | None = None,
                             bias_norm: str = "visible", enable_gqa: bool = False, window: int | None = None,
                             document_ids: Tensor | None = None, backend: str | None = None,
-                            v_mean: Tensor | None = None, mask: MaskSpec | None = None) -> Tensor:
+                            v_mean: Tensor | None = None, mask: MaskSpec | None = None,
+                            softcap: float | None = None) -> Tensor:
     """Affine-Scaled Attention: a_ij = alpha_i * softmax_j(q_i.k_j * scale) + (alpha_ma - alpha_i) / N_i.
 
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D); alpha: (B, Hq, T); alpha_ma: (Hq,). Returns (B, Hq, T, D).
@@ -37,36 +38,40 @@ def affine_scaled_attention(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, alph
     cache's running sum; it replaces the masked mean and must follow the same bias_norm.
     mask: the mask already parsed (`ops.masks.parse_mask`, a MaskSpec) instead of attn_mask / is_causal / window /
     document_ids: parsed once, it serves many calls (every layer of a model forward) and kernels keep what they
-    derive from it. A query that sees no key returns zeros.
+    derive from it. softcap: logits capped to softcap * tanh(x / softcap) before the softmax (Gemma 2; only the
+    exact backend caps). A query that sees no key returns zeros.
     """
     if alpha is None or alpha_ma is None:
         raise ValueError("affine_scaled_attention needs alpha (B, Hq, T) and alpha_ma (Hq,)")
     return attention_with_epilogue(q, k, v, alpha=alpha, alpha_ma=alpha_ma, attn_mask=attn_mask,
                                    is_causal=is_causal, scale=scale, bias_norm=bias_norm, enable_gqa=enable_gqa,
                                    window=window, document_ids=document_ids, backend=backend, v_mean=v_mean,
-                                   mask=mask)
+                                   mask=mask, softcap=softcap)
 
 
 def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, *, attn_mask: Tensor | None = None,
                    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
                    window: int | None = None, document_ids: Tensor | None = None,
-                   backend: str | None = None, mask: MaskSpec | None = None) -> Tensor:
+                   backend: str | None = None, mask: MaskSpec | None = None,
+                   softcap: float | None = None) -> Tensor:
     """Attention with a sink (GPT-OSS style): p_ij = exp(x_ij) / (sum_k exp(x_ik) + exp(sinks[h])).
 
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D); sinks: (Hq,) logits, learnable. Returns (B, Hq, T, D).
-    Mask semantics (attn_mask, is_causal, window, document_ids, or mask=) and backend as affine_scaled_attention.
+    Mask semantics (attn_mask, is_causal, window, document_ids, or mask=), backend and softcap as
+    affine_scaled_attention.
     """
     if not isinstance(sinks, Tensor):
         raise ValueError(f"sinks must be a (Hq,) tensor of sink logits, got {type(sinks).__name__}")
     return attention_with_epilogue(q, k, v, sinks=sinks, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                    enable_gqa=enable_gqa, window=window, document_ids=document_ids, backend=backend,
-                                   mask=mask)
+                                   mask=mask, softcap=softcap)
 
 
 def off_by_one_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
                          is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
                          window: int | None = None, document_ids: Tensor | None = None,
-                         backend: str | None = None, mask: MaskSpec | None = None) -> Tensor:
+                         backend: str | None = None, mask: MaskSpec | None = None,
+                         softcap: float | None = None) -> Tensor:
     """Softmax with +1 in the denominator: sink_attention with every sink logit fixed at 0.
 
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D). Returns (B, Hq, T, D).
@@ -76,20 +81,21 @@ def off_by_one_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor |
     sinks = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
     return sink_attention(q, k, v, sinks, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                           enable_gqa=enable_gqa, window=window, document_ids=document_ids, backend=backend,
-                          mask=mask)
+                          mask=mask, softcap=softcap)
 
 
 def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
                       is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
                       window: int | None = None, document_ids: Tensor | None = None,
-                      backend: str | None = None, mask: MaskSpec | None = None) -> Tensor:
+                      backend: str | None = None, mask: MaskSpec | None = None,
+                      softcap: float | None = None) -> Tensor:
     """Standard attention with this library's mask semantics (causal aligned bottom-right, empty rows -> 0).
 
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D). Returns (B, Hq, T, D).
     """
     return attention_with_epilogue(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                    enable_gqa=enable_gqa, window=window, document_ids=document_ids, backend=backend,
-                                   mask=mask)
+                                   mask=mask, softcap=softcap)
 
 
 def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | None = None,
@@ -99,7 +105,7 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
                             window: int | None = None, document_ids: Tensor | None = None,
                             backend: str | None = None, v_mean: Tensor | None = None,
                             epilogue_impl: str | None = None, mask: MaskSpec | None = None,
-                            kv_nonfinite: Tensor | bool | None = None) -> Tensor:
+                            kv_nonfinite: Tensor | bool | None = None, softcap: float | None = None) -> Tensor:
     """Every variant's fast path: a softmax kernel (with the sink when sinks is given), then one epilogue pass.
 
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D); alpha: (B, Hq, T) with alpha_ma: (Hq,) for the affine part (or
@@ -108,11 +114,13 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
     "triton"; mask: the mask already parsed (a MaskSpec, e.g. once per model forward) instead of the keywords.
     kv_nonfinite: (B, Hkv) bool, True for the heads whose k or v hold a non-finite row, or False for none, where the
     caller tracks it (a decoding cache, from the rows each step appends): it spares the test of every row.
+    softcap: logits capped to softcap * tanh(x / softcap) in the kernel (backends that cannot cap refuse the call).
     Returns (B, Hq, T, D) in q's dtype.
     """
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
     check_bias_norm(bias_norm)
     scale = check_scale(scale, D)
+    softcap = check_softcap(softcap)
     mask = mask_of_call(mask, attn_mask, is_causal, window, document_ids, B, Hq, T, S, q.device)
     if (alpha is None) != (alpha_ma is None):
         raise ValueError("alpha (B, Hq, T) and alpha_ma (Hq,) come together (the affine part) or not at all")
@@ -135,7 +143,7 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
         raise ValueError(f"kv_nonfinite must be a (B, Hkv) = {(B, Hkv)} bool tensor or False, got "
                          f"{tuple(kv_nonfinite.shape) if isinstance(kv_nonfinite, Tensor) else kv_nonfinite!r}")
     k, v, seen = _isolate_nonfinite(k, v, mask, Hq, kv_nonfinite)
-    out, _ = backends.attention(q, k, v, mask, scale, sinks=sinks, backend=backend)
+    out, _ = backends.attention(q, k, v, mask, scale, sinks=sinks, backend=backend, softcap=softcap)
     if alpha is not None and v_mean is None:
         out = epilogue(out, alpha=alpha, alpha_ma=alpha_ma, gate=gate, v=v, mask=mask, bias_norm=bias_norm,
                        impl=impl)

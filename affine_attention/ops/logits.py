@@ -10,10 +10,11 @@ from .reference import attention_logits, visible_mask
 
 def visible_logit_sums(q: Tensor, k: Tensor, *, attn_mask: Tensor | None = None, is_causal: bool = False,
                        window: int | None = None, document_ids: Tensor | None = None, scale: float | None = None,
-                       query_mask: Tensor | None = None) -> Tensor:
+                       query_mask: Tensor | None = None, softcap: float | None = None) -> Tensor:
     """(3, Hq) float64 on the CPU: per head, the sum of the visible logits, the sum of their absolute values and
     their count. q: (B, Hq, T, D), k: (B, Hkv, S, D); attn_mask, is_causal, window, document_ids: as on the ops;
-    query_mask: (B, T) bool, True on real queries (None: all real).
+    query_mask: (B, T) bool, True on real queries (None: all real); softcap: the logits as the softmax sees them
+    (capped, see `attention_logits`).
 
     One sequence at a time, so memory peaks at Hq x T x S logits; bf16/fp16 inputs are reduced in float32 and
     every sum accumulates in float64. Divide the first two rows by the third for means."""
@@ -25,7 +26,8 @@ def visible_logit_sums(q: Tensor, k: Tensor, *, attn_mask: Tensor | None = None,
     # vis: (1|B, 1|Hq, T, S)
     sums = torch.zeros(3, Hq, dtype=torch.float64)
     for b in range(B):
-        logits = attention_logits(q[b:b + 1], k[b:b + 1], scale=scale, enable_gqa=Hq != k.shape[1])  # (1, Hq, T, S)
+        logits = attention_logits(q[b:b + 1], k[b:b + 1], scale=scale, enable_gqa=Hq != k.shape[1],
+                                  softcap=softcap)  # (1, Hq, T, S)
         keep = (vis[b:b + 1] if vis.shape[0] > 1 else vis).expand_as(logits)
         if query_mask is not None:
             keep = keep & query_mask[b:b + 1, None, :, None].to(keep.device)

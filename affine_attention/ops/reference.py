@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._validate import check_bias_norm, check_per_head, check_per_query, check_qkv, check_scale
+from ._validate import check_bias_norm, check_per_head, check_per_query, check_qkv, check_scale, check_softcap
 
 
 def visible_mask(attn_mask: Tensor | None, is_causal: bool, T: int, S: int, device, *, window: int | None = None,
@@ -32,12 +32,16 @@ def visible_mask(attn_mask: Tensor | None, is_causal: bool, T: int, S: int, devi
     return vis
 
 
-def attention_logits(q: Tensor, k: Tensor, *, scale: float | None = None, enable_gqa: bool = False) -> Tensor:
-    """q.k^T * scale: q (B, Hq, T, D), k (B, Hkv, S, D) -> (B, Hq, T, S); GQA repeats each KV head."""
+def attention_logits(q: Tensor, k: Tensor, *, scale: float | None = None, enable_gqa: bool = False,
+                     softcap: float | None = None) -> Tensor:
+    """q.k^T * scale: q (B, Hq, T, D), k (B, Hkv, S, D) -> (B, Hq, T, S); GQA repeats each KV head. softcap = c
+    caps them to c * tanh(x / c), as Gemma 2 does before the softmax."""
     Hq, Hkv = q.shape[1], k.shape[1]
     if Hq != Hkv:
         k = k.repeat_interleave(Hq // Hkv, dim=1)
-    return (q @ k.transpose(-1, -2)) * check_scale(scale, q.shape[-1])
+    x = (q @ k.transpose(-1, -2)) * check_scale(scale, q.shape[-1])
+    softcap = check_softcap(softcap)
+    return x if softcap is None else softcap * torch.tanh(x / softcap)
 
 
 def _expand_v(v: Tensor, Hq: int) -> Tensor:
@@ -59,26 +63,29 @@ def _softmax_rows(logits: Tensor, vis: Tensor, extra_logit: Tensor | None = None
 
 
 def softmax_attention_reference(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                               window=None, document_ids=None):
-    """Plain softmax attention. q: (B, Hq, T, D), k, v: (B, Hkv, S, D) -> (out (B, Hq, T, D), w (B, Hq, T, S))."""
+                               window=None, document_ids=None, softcap=None):
+    """Plain softmax attention. q: (B, Hq, T, D), k, v: (B, Hkv, S, D) -> (out (B, Hq, T, D), w (B, Hq, T, S)).
+    softcap (every reference): logits capped as in `attention_logits`."""
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
     vis = visible_mask(attn_mask, is_causal, T, S, q.device, window=window, document_ids=document_ids)
-    w = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa), vis)
+    w = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa, softcap=softcap), vis)
     return w @ _expand_v(v, Hq), w
 
 
 def sink_attention_reference(q, k, v, sinks, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                            window=None, document_ids=None):
+                            window=None, document_ids=None, softcap=None):
     """Sink attention; sinks: (Hq,). Returns (out (B, Hq, T, D), w (B, Hq, T, S)); sink mass = 1 - w.sum(-1)."""
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
     check_per_head("sinks", sinks, Hq, q.device)
     vis = visible_mask(attn_mask, is_causal, T, S, q.device, window=window, document_ids=document_ids)
-    w = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa), vis, extra_logit=sinks)
+    logits = attention_logits(q, k, scale=scale, enable_gqa=enable_gqa, softcap=softcap)
+    w = _softmax_rows(logits, vis, extra_logit=sinks)
     return w @ _expand_v(v, Hq), w
 
 
 def affine_scaled_attention_reference(q, k, v, alpha, alpha_ma, *, attn_mask=None, is_causal=False, scale=None,
-                                      bias_norm="visible", enable_gqa=False, window=None, document_ids=None):
+                                      bias_norm="visible", enable_gqa=False, window=None, document_ids=None,
+                                      softcap=None):
     """a_ij = alpha_i p_ij + (alpha_ma - alpha_i) / N_i on visible keys, 0 on masked keys.
 
     alpha: (B, Hq, T), alpha_ma: (Hq,). N_i = visible keys of query i ("visible") or S ("full").
@@ -89,7 +96,7 @@ def affine_scaled_attention_reference(q, k, v, alpha, alpha_ma, *, attn_mask=Non
     check_per_head("alpha_ma", alpha_ma, Hq, q.device)
     check_bias_norm(bias_norm)
     vis = visible_mask(attn_mask, is_causal, T, S, q.device, window=window, document_ids=document_ids)
-    p = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa), vis)
+    p = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa, softcap=softcap), vis)
     vis = vis.expand(B, Hq, T, S)
     n = vis.sum(-1, keepdim=True).to(q.dtype) if bias_norm == "visible" else torch.full_like(p[..., :1], S)
     a_ = alpha.to(q.dtype)[..., None]

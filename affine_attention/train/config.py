@@ -112,7 +112,7 @@ class ModelConfig:
     # Convert so the model computes what it computed before (see affine_attention.convert). Unset: true with
     # init_from (a retrofit), false from scratch (the paper's initialisation).
     function_preserving: bool | None = None
-    arch: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama"
+    arch: str = "llama"  # a family of affine_attention.hf.families.FAMILIES (`affine-attention families`)
     vocab_size: int = count(4096, ge=1)  # must cover the tokenizer (checked at training time)
     hidden_size: int = count(128, ge=1)
     intermediate_size: int = count(384, ge=1)

@@ -14,6 +14,7 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from ..hf.families import family_names, family_of_config
 from ..hf.presets import PRESETS
 from .config import RunConfig, check_ranges
 
@@ -174,6 +175,8 @@ def preset_model_keys(name: str) -> dict[str, Any]:
         raise ValueError(f"model.preset {name!r} is not in the architecture table; choose one of {sorted(PRESETS)}")
     row = copy.deepcopy(PRESETS[name])  # the caller may change the dicts it gets (rope_scaling)
     keys = {_PRESET_KEYS[k]: v for k, v in row.items() if k in _PRESET_KEYS}
+    # the family name, which may differ from the model type (gemma3_text -> gemma3)
+    keys["arch"] = family_of_config(types.SimpleNamespace(model_type=row["model_type"])).name
     extra = {k: v for k, v in row.items() if k not in _PRESET_KEYS and k not in _TOKEN_IDS}
     return {**keys, "extra": extra} if extra else keys
 
@@ -218,6 +221,9 @@ def validate(cfg: RunConfig) -> None:
     relates keys to each other (batch arithmetic, head counts, sources, KD settings)."""
     check_ranges(cfg)
     t, d, k, m = cfg.train, cfg.data, cfg.kd, cfg.model
+    if not m.init_from and m.arch not in family_names():
+        raise ValueError(f"model.arch = {m.arch!r} is not a supported family; choose one of {family_names()} "
+                         "(`affine-attention families`)")
     if d.seq_len > m.max_position_embeddings:
         raise ValueError(f"data.seq_len ({d.seq_len}) exceeds model.max_position_embeddings "
                          f"({m.max_position_embeddings}); lower data.seq_len or raise model.max_position_embeddings")

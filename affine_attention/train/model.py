@@ -24,21 +24,27 @@ from .config import ModelConfig, RunConfig
 
 def hf_config(mc: ModelConfig, *, eos_token_id: int | None = None, pad_token_id: int | None = None):
     """The transformers config for [model]."""
-    import transformers
+    from ..hf.families import get_family
 
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-           "mistral": transformers.MistralConfig}[mc.arch]
+    family = get_family(mc.arch)
+    cls = family.classes()[0]
+    rope = {"rope_type": "default", "rope_theta": mc.rope_theta, **mc.rope_scaling}
+    if family.rope_per_layer_type:
+        rope = {kind: dict(rope) for kind in ("sliding_attention", "full_attention")}
     kwargs = dict(
         vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
         num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
         head_dim=mc.head_dim or mc.hidden_size // mc.num_heads, tie_word_embeddings=mc.tie_embeddings,
         max_position_embeddings=mc.max_position_embeddings, rms_norm_eps=mc.rms_norm_eps,
         initializer_range=mc.initializer_range,
-        rope_parameters={"rope_type": "default", "rope_theta": mc.rope_theta, **mc.rope_scaling},
+        rope_parameters=rope,
         bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id, use_cache=False,
     )
-    if mc.arch != "qwen2":
+    if family.configurable_bias:
         kwargs["attention_bias"] = mc.attention_bias
+    elif mc.attention_bias:
+        raise ValueError(f"model.attention_bias = true: the {family.name} architecture fixes its projection biases "
+                         f"({family.projections}); remove the key")
     kwargs.update(mc.extra)
     return cls(**kwargs)
 

@@ -53,6 +53,9 @@ class AffineAttention(AttentionVariant, running_stats.RunningStats):
     state_stats = {"alpha_ma": "α moving average"}
     # Saved before the frozen-alpha control became its own variant (affine_frozen): dropped when the value is this.
     retired_options = {"frozen_alpha": None}
+    refuses_model_sinks = ("the affine bias beta = (alpha_ma - alpha) / N makes each query's weights sum to alpha_ma "
+                           "only when the softmax weights sum to one; the model's learned sinks take part of that "
+                           "mass, so the result would not be the paper's method: convert a model without sinks")
 
     def __init__(self, shape, options=None):
         super().__init__(shape, options)
@@ -141,10 +144,11 @@ class AffineAttention(AttentionVariant, running_stats.RunningStats):
         return Prologue(alpha=alpha, alpha_ma=self._alpha_ma_for_forward(alpha, token_mask),
                         gate=self.output_gate(x), bias_norm=self.options.bias_norm)
 
-    def attend_reference(self, q, k, v, x, *, mask, scale):
+    def attend_reference(self, q, k, v, x, *, mask, scale, softcap=None, sinks=None):
         alpha = self.compute_alpha(x).to(q.dtype)
         out, w = affine_scaled_attention_reference(q, k, v, alpha, self.alpha_ma.to(q.dtype), **mask, scale=scale,
-                                                   bias_norm=self.options.bias_norm, enable_gqa=self._gqa)
+                                                   bias_norm=self.options.bias_norm, enable_gqa=self._gqa,
+                                                   softcap=softcap)
         return out, w, {"alpha": alpha}
 
 

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal, NamedTuple, Union
 import torch
 from torch import Tensor, nn
 
-from ..ops import softmax_attention_reference
+from ..ops import sink_attention_reference, softmax_attention_reference
 from ..ops.attention import attention_with_epilogue
 from ..ops.masks import MaskSpec, mask_of_call
 
@@ -134,6 +134,9 @@ class AttentionVariant(nn.Module):
     #: Options that older versions recorded in saved configs, with the neutral value they held then: dropped on
     #: load when they hold it (see `variants.parse_options`).
     retired_options: ClassVar[dict[str, Any]] = {}
+    #: In a model whose attention already has learned sinks (GPT-OSS), "" means this variant runs its math on that
+    #: sink softmax (the model's sinks stay in every denominator); any other text is why it refuses such a model.
+    refuses_model_sinks: ClassVar[str] = ""
 
     def __init__(self, shape: AttentionShape, options=None):
         super().__init__()
@@ -150,10 +153,13 @@ class AttentionVariant(nn.Module):
                 is_causal: bool = False, window: int | None = None, document_ids: Tensor | None = None,
                 mask: MaskSpec | None = None, scale: float | None = None, token_mask: Tensor | None = None,
                 v_mean: Tensor | None = None, backend: str | None = None,
-                kv_nonfinite: Tensor | bool | None = None) -> Tensor:
+                kv_nonfinite: Tensor | bool | None = None, softcap: float | None = None,
+                model_sinks: Tensor | None = None) -> Tensor:
         """The mask either parsed (mask=, e.g. once per model forward by the transformers seam) or as the op
         keywords attn_mask / is_causal / window / document_ids ((B, S) int); backend: as on the ops. v_mean and
-        kv_nonfinite: what a decoding cache knows (see ops.attention.attention_with_epilogue)."""
+        kv_nonfinite: what a decoding cache knows (see ops.attention.attention_with_epilogue). softcap: the
+        model's logit cap (Gemma 2). model_sinks: (Hq,) the sink logits the model's own attention has (GPT-OSS's
+        s_aux; see `adopt_model_sinks`)."""
         self._check_x(x, q)
         if token_mask is not None and (not isinstance(token_mask, Tensor) or token_mask.dtype != torch.bool
                                        or tuple(token_mask.shape) != tuple(x.shape[:2])):
@@ -163,17 +169,22 @@ class AttentionVariant(nn.Module):
                              f"got {got} (convert an attention mask with `.bool()`)")
         mask = self.parsed_mask(q, k, mask, attn_mask, is_causal, window, document_ids)
         return self.attend(q, k, v, x, mask=mask, scale=scale, token_mask=token_mask, v_mean=v_mean,
-                           backend=backend, kv_nonfinite=kv_nonfinite)
+                           backend=backend, kv_nonfinite=kv_nonfinite, softcap=softcap, model_sinks=model_sinks)
 
     def reference(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, *, attn_mask: Tensor | None = None,
                   is_causal: bool = False, window: int | None = None, document_ids: Tensor | None = None,
-                  mask: MaskSpec | None = None, scale: float | None = None) -> tuple[Tensor, Tensor, dict[str, Any]]:
+                  mask: MaskSpec | None = None, scale: float | None = None, softcap: float | None = None,
+                  model_sinks: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, Any]]:
         """Eager form for analysis: (out (B, Hq, T, D), weights (B, Hq, T, S), extras such as alpha or sink mass).
 
-        Never updates state (alpha_ma stays as it is). The mask as in `forward`."""
+        Never updates state (alpha_ma stays as it is). The mask, softcap and model_sinks as in `forward`."""
         self._check_x(x, q)
         mask = self.parsed_mask(q, k, mask, attn_mask, is_causal, window, document_ids)
-        out, w, extras = self.attend_reference(q, k, v, x, mask=mask.op_kwargs(), scale=scale)
+        sinks = self._model_sinks(model_sinks, None)
+        out, w, extras = self.attend_reference(q, k, v, x, mask=mask.op_kwargs(), scale=scale, softcap=softcap,
+                                               sinks=None if sinks is None else sinks.to(q.dtype))
+        if sinks is not None and "sink_mass" not in extras:
+            extras = {**extras, "sink_mass": 1.0 - w.sum(-1)}
         gate = self.output_gate(x)  # the readable form of the epilogue's gate: one multiply
         return (out if gate is None else out * gate), w, extras
 
@@ -195,19 +206,47 @@ class AttentionVariant(nn.Module):
         return None
 
     # mask: the parsed MaskSpec (attend) or its op keywords (attend_reference: the references take keywords).
-    def attend(self, q, k, v, x, *, mask: MaskSpec, scale, token_mask, v_mean, backend, kv_nonfinite) -> Tensor:
+    def attend(self, q, k, v, x, *, mask: MaskSpec, scale, token_mask, v_mean, backend, kv_nonfinite,
+               softcap=None, model_sinks=None) -> Tensor:
         p = self.prologue(x, token_mask)
-        if (p.sinks is not None) != self.needs_lse or (p.alpha is not None) != self.uses_value_mean:
+        # A sink variant that adopted the model's sinks has none of its own: they come as model_sinks.
+        sinks_ok = (p.sinks is not None) == self.needs_lse or (p.sinks is None and model_sinks is not None)
+        if not sinks_ok or (p.alpha is not None) != self.uses_value_mean:
             raise ValueError(f"variant {self.name!r}: its prologue does not match what it declares it needs from "
                              f"the kernel (needs_lse={self.needs_lse}, uses_value_mean={self.uses_value_mean})")
-        return attention_with_epilogue(q, k, v, alpha=p.alpha, alpha_ma=p.alpha_ma, gate=p.gate, sinks=p.sinks,
+        sinks = self._model_sinks(model_sinks, p.sinks)
+        return attention_with_epilogue(q, k, v, alpha=p.alpha, alpha_ma=p.alpha_ma, gate=p.gate, sinks=sinks,
                                        mask=mask, scale=scale, bias_norm=p.bias_norm, enable_gqa=self._gqa,
                                        backend=backend, v_mean=v_mean if p.alpha is not None else None,
-                                       kv_nonfinite=kv_nonfinite)
+                                       kv_nonfinite=kv_nonfinite, softcap=softcap)
 
-    def attend_reference(self, q, k, v, x, *, mask: dict[str, Any], scale):
-        out, w = softmax_attention_reference(q, k, v, **mask, scale=scale, enable_gqa=self._gqa)
+    # sinks: (Hq,) the sink logits in force (the model's, or None), in q's dtype.
+    def attend_reference(self, q, k, v, x, *, mask: dict[str, Any], scale, softcap=None, sinks=None):
+        if sinks is None:
+            out, w = softmax_attention_reference(q, k, v, **mask, scale=scale, enable_gqa=self._gqa, softcap=softcap)
+        else:
+            out, w = sink_attention_reference(q, k, v, sinks, **mask, scale=scale, enable_gqa=self._gqa,
+                                              softcap=softcap)
         return out, w, {}
+
+    # --- a model whose attention has learned sinks of its own (GPT-OSS) ----------------------------------------
+    def adopt_model_sinks(self) -> None:
+        """Called when this module is attached to a model whose attention already has learned sinks: from then on
+        every call passes them as `model_sinks`. ValueError (with `refuses_model_sinks`) if this variant cannot
+        keep them; the sink variant makes them its own sink parameters instead of adding a second set."""
+        if self.refuses_model_sinks:
+            raise ValueError(self.refuses_model_sinks)
+
+    def _model_sinks(self, model_sinks: Tensor | None, own: Tensor | None) -> Tensor | None:
+        """The sink logits of a call: the variant's own, or the model's (never both: that would be two sinks)."""
+        if model_sinks is None:
+            return own
+        if self.refuses_model_sinks:
+            raise ValueError(self.refuses_model_sinks)
+        if own is not None:
+            raise ValueError(f"variant {self.name!r} has sink logits of its own and was handed the model's "
+                             "(model_sinks); build it through convert(), which makes the model's sinks its own")
+        return model_sinks
 
     # --- logged statistics (keys as declared in token_stats / state_stats) -------------------------------------
     def token_statistics(self, x: Tensor) -> dict[str, Tensor]:

@@ -34,28 +34,41 @@ class SinkAttention(AttentionVariant):
     display = Display("Attention sink", OKABE_ITO["blue"], "s", "--")
     state_stats = {"sinks": "sink logit"}
 
-    def retrofit(self) -> float:
-        with torch.no_grad():
-            self.sinks.fill_(RETROFIT_SINK_LOGIT)
-        return super().retrofit()
-
     def __init__(self, shape, options=None):
         super().__init__(shape, options)
         self.sinks = nn.Parameter(torch.full((shape.num_heads,), self.options.init))
 
+    def adopt_model_sinks(self) -> None:
+        # The model's learned sinks are exactly this variant's parameters: they stay where they are (the model's
+        # `sinks`, under their checkpoint name) and reach every call as model_sinks, so none is added beside them.
+        super().adopt_model_sinks()
+        if "sinks" in self._parameters:
+            del self._parameters["sinks"]
+
+    def retrofit(self) -> float:
+        if "sinks" not in self._parameters:
+            return AttentionVariant.retrofit(self)  # the model's own sinks: already what the model computes
+        with torch.no_grad():
+            self.sinks.fill_(RETROFIT_SINK_LOGIT)
+        return super().retrofit()
+
     def _sink_logits(self, device: torch.device):
-        return self.sinks.to(device)
+        """(Hq,) this variant's own sink logits, or None when it uses the model's (see adopt_model_sinks)."""
+        own = self._parameters.get("sinks")
+        return None if own is None else own.to(device)
 
     def state_statistics(self):
-        return {"sinks": self.sinks}
+        own = self._parameters.get("sinks")
+        return {} if own is None else {"sinks": own}
 
     def prologue(self, x, token_mask):
         # The sink lives inside the kernel (its gradient needs the kernel's backward), not in the epilogue.
         return Prologue(sinks=self._sink_logits(x.device), gate=self.output_gate(x))
 
-    def attend_reference(self, q, k, v, x, *, mask, scale):
-        out, w = sink_attention_reference(q, k, v, self._sink_logits(q.device).to(q.dtype), **mask, scale=scale,
-                                          enable_gqa=self._gqa)
+    def attend_reference(self, q, k, v, x, *, mask, scale, softcap=None, sinks=None):
+        if sinks is None:
+            sinks = self._sink_logits(q.device).to(q.dtype)
+        out, w = sink_attention_reference(q, k, v, sinks, **mask, scale=scale, enable_gqa=self._gqa, softcap=softcap)
         return out, w, {"sink_mass": 1.0 - w.sum(-1)}
 
 
@@ -69,6 +82,9 @@ class OffByOneAttention(SinkAttention):
     Options = AttentionVariant.Options
     display = Display("Off-by-one softmax", OKABE_ITO["sky_blue"], "v", ":")
     state_stats = {}  # the sink logit is a constant 0
+    refuses_model_sinks = ("off_by_one adds a fixed sink of logit 0 to every softmax denominator; the model's "
+                           "attention already has learned sinks, so it would have two: use 'sink' (the model's own "
+                           "sinks as its parameters) or 'softmax'")
 
     def __init__(self, shape, options=None):
         AttentionVariant.__init__(self, shape, options)

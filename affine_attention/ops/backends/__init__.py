@@ -50,19 +50,25 @@ def forced_name() -> str | None:
     return _forced.current
 
 
+def _reason(b: Backend, call: Call) -> str | None:
+    if call.softcap is not None and not b.softcap:
+        return "no logit soft-capping (softcap)"
+    return b.supports(call)
+
+
 def select(call: Call, backend: str | None = None) -> Backend:
     """The backend that serves `call`: the forced one (ValueError if it cannot), else the first that accepts."""
     name = backend if backend is not None else _forced.current
     if name is not None:
         chosen = get_backend(name)
-        reason = chosen.supports(call)
+        reason = _reason(chosen, call)
         if reason is not None:
             raise ValueError(f"attention backend {name!r} cannot serve this call: {reason}; drop backend= "
                              f"(automatic choice) or pick another of {backend_names()}")
         return chosen
     reasons = []
     for b in BACKENDS:
-        reason = b.supports(call)
+        reason = _reason(b, call)
         if reason is None:
             return b
         reasons.append(f"{b.name}: {reason}")
@@ -70,20 +76,22 @@ def select(call: Call, backend: str | None = None) -> Backend:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float, *, sinks: Tensor | None = None,
-              backend: str | None = None) -> tuple[Tensor, Tensor | None]:
+              backend: str | None = None, softcap: float | None = None) -> tuple[Tensor, Tensor | None]:
     """Softmax attention (with the sink's extra exp(sinks[h]) in the denominator when sinks is given) on the
     backend `select` picks.
 
-    q: (B, Hq, T, D); k, v: (B, Hkv, S, D); sinks: (Hq,) or None. Returns (out (B, Hq, T, D) in q.dtype,
-    lse (B, Hq, T) float32 of the plain softmax, or None when the chosen backend has none).
+    q: (B, Hq, T, D); k, v: (B, Hkv, S, D); sinks: (Hq,) or None; softcap: logits c * tanh(x / c) (only backends
+    declaring `softcap` serve it). Returns (out (B, Hq, T, D) in q.dtype, lse (B, Hq, T) float32 of the plain
+    softmax, or None when the chosen backend has none).
     """
-    chosen = select(Call.of(q, k, mask, needs_lse=sinks is not None), backend)
+    chosen = select(Call.of(q, k, mask, needs_lse=sinks is not None, softcap=softcap), backend)
+    score = {} if softcap is None else {"softcap": softcap}  # only a backend that declares softcap receives it
     if not chosen.has_lse:
-        return chosen.attention(q, k, v, mask, scale), None
+        return chosen.attention(q, k, v, mask, scale, **score), None
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
-        out, lse = chosen.forward(q, k, v, mask, scale)  # nothing to differentiate (decoding): no autograd node
+        out, lse = chosen.forward(q, k, v, mask, scale, **score)  # nothing to differentiate (decoding): no node
         return with_sink(out, lse, sinks)[0], lse
-    return KernelAttention.apply(chosen, q, k, v, sinks, mask, scale)
+    return KernelAttention.apply(chosen, q, k, v, sinks, mask, scale, score)
 
 
 def with_sink(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -105,11 +113,12 @@ class KernelAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, backend: Backend, q, k, v, sinks, mask: MaskSpec, scale: float):
-        out, lse = backend.forward(q, k, v, mask, scale)
+    def forward(ctx, backend: Backend, q, k, v, sinks, mask: MaskSpec, scale: float, score: dict | None = None):
+        score = score or {}  # {"softcap": c} for a backend that caps
+        out, lse = backend.forward(q, k, v, mask, scale, **score)
         out, gate = with_sink(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, gate, sinks)
-        ctx.backend, ctx.mask, ctx.scale = backend, mask, scale
+        ctx.backend, ctx.mask, ctx.scale, ctx.score = backend, mask, scale, score
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -126,8 +135,8 @@ class KernelAttention(torch.autograd.Function):
                 delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, Hq, T) = g * dO.out
                 one_minus = torch.sigmoid(sinks.to(acc)[None, :, None] - lse.to(acc))
                 dsinks = -(one_minus * delta).sum((0, 2)).to(sinks.dtype)
-        dq, dk, dv = ctx.backend.backward(grad, q, k, v, out, lse, ctx.mask, ctx.scale)
-        return None, dq, dk, dv, dsinks, None, None
+        dq, dk, dv = ctx.backend.backward(grad, q, k, v, out, lse, ctx.mask, ctx.scale, **ctx.score)
+        return None, dq, dk, dv, dsinks, None, None, None
 
 
 __all__ = ["BACKENDS", "Backend", "Call", "KernelAttention", "attention", "backend_names", "forced_name",

@@ -33,12 +33,13 @@ class Call(NamedTuple):
     mask: MaskSpec
     needs_lse: bool
     requires_grad: bool
+    softcap: float | None = None
 
     @staticmethod
-    def of(q: Tensor, k: Tensor, mask: MaskSpec, needs_lse: bool) -> "Call":
+    def of(q: Tensor, k: Tensor, mask: MaskSpec, needs_lse: bool, softcap: float | None = None) -> "Call":
         B, Hq, T, D = q.shape
         return Call(q.device.type, q.dtype, B, Hq, k.shape[1], T, k.shape[2], D, mask, needs_lse,
-                    torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
+                    torch.is_grad_enabled() and (q.requires_grad or k.requires_grad), softcap)
 
 
 class Backend:
@@ -52,6 +53,9 @@ class Backend:
     name: str = ""
     priority: int = 0
     has_lse: bool = True
+    #: Whether forward/backward take `softcap=c` (logits c * tanh(x / c)); the dispatcher never hands a capped call
+    #: to a backend that cannot cap, since plain softmax on uncapped logits would be silently wrong.
+    softcap: bool = False
 
     def supports(self, call: Call) -> str | None:
         """None if this backend computes `call` exactly; otherwise a short reason naming what it lacks."""

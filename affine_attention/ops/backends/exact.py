@@ -21,10 +21,19 @@ def _expand(x: Tensor, Hq: int) -> Tensor:
     return x if x.shape[1] == Hq else x.repeat_interleave(Hq // x.shape[1], dim=1)
 
 
-def _weights(q_c: Tensor, k: Tensor, vis: Tensor, scale: float, lse: Tensor | None):
-    """Softmax weights of one query chunk. q_c: (B, Hq, C, D) acc, k: (B, Hq, S, D) acc, vis: bool broadcastable
-    to (B, Hq, C, S). Returns (p (B, Hq, C, S), lse (B, Hq, C)); lse = -inf and p = 0 for a row that sees nothing."""
+def _logits(q_c: Tensor, k: Tensor, scale: float, softcap: float | None) -> tuple[Tensor, Tensor | None]:
+    """(logits (B, Hq, C, S), d logits / d (q.k scale) or None): q.k * scale, capped to c * tanh(x / c) when
+    softcap = c is given (Gemma 2), whose derivative 1 - tanh^2 the backward multiplies in."""
     logits = (q_c @ k.transpose(-1, -2)) * scale
+    if softcap is None:
+        return logits, None
+    t = torch.tanh(logits / softcap)
+    return softcap * t, 1 - t * t
+
+
+def _weights(logits: Tensor, vis: Tensor, lse: Tensor | None):
+    """Softmax weights of one query chunk. logits: (B, Hq, C, S) acc, vis: bool broadcastable to (B, Hq, C, S).
+    Returns (p (B, Hq, C, S), lse (B, Hq, C)); lse = -inf and p = 0 for a row that sees nothing."""
     logits = logits.masked_fill(~vis, float("-inf"))
     if lse is None:
         lse = torch.logsumexp(logits, dim=-1)
@@ -38,11 +47,13 @@ def _weights(q_c: Tensor, k: Tensor, vis: Tensor, scale: float, lse: Tensor | No
 class ExactBackend(Backend):
     name = "exact"
     priority = 10  # last: any mask, device and dtype
+    softcap = True
 
     def supports(self, call: Call) -> str | None:
         return None  # any mask, device and dtype
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float) -> tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float,
+                softcap: float | None = None) -> tuple[Tensor, Tensor]:
         acc = float_acc(q.dtype)
         B, Hq, T, D = q.shape
         kf, vf = _expand(k, Hq).to(acc), _expand(v, Hq).to(acc)
@@ -51,12 +62,12 @@ class ExactBackend(Backend):
         for start in range(0, T, CHUNK):
             stop = min(T, start + CHUNK)
             vis = mask.chunk_bool(start, stop, q.device)
-            p, lse_c = _weights(q[:, :, start:stop].to(acc), kf, vis, scale, None)
+            p, lse_c = _weights(_logits(q[:, :, start:stop].to(acc), kf, scale, softcap)[0], vis, None)
             out[:, :, start:stop] = (p @ vf).to(q.dtype)
             lse[:, :, start:stop] = lse_c
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
+    def backward(self, dout, q, k, v, out, lse, mask, scale, softcap=None):
         acc = float_acc(q.dtype)
         B, Hq, T, D = q.shape
         Hkv = k.shape[1]
@@ -70,10 +81,13 @@ class ExactBackend(Backend):
             stop = min(T, start + CHUNK)
             vis = mask.chunk_bool(start, stop, q.device)
             q_c = q[:, :, start:stop].to(acc)
-            p, _ = _weights(q_c, kf, vis, scale, lse[:, :, start:stop])
+            logits, dcap = _logits(q_c, kf, scale, softcap)
+            p, _ = _weights(logits, vis, lse[:, :, start:stop])
             do_c = dof[:, :, start:stop]
             dv += p.transpose(-1, -2) @ do_c
             ds = p * (do_c @ vf.transpose(-1, -2) - delta[:, :, start:stop])
+            if dcap is not None:
+                ds = ds * dcap
             dq[:, :, start:stop] = (ds @ kf) * scale
             dk += (ds.transpose(-1, -2) @ q_c) * scale
         if Hkv != Hq:

@@ -1,0 +1,160 @@
+"""The one table of the transformers model families `convert` supports: per family, its transformers classes, how
+its attention modules are laid out and what their attention function receives, its PEFT targets, how `train` builds
+it from scratch, and its tiny test preset. Adding a family is one `Family` entry here (nothing else names one).
+
+This module imports no transformers: classes are named, and resolved (`Family.classes`) when a model is converted.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+# Keywords a transformers attention module may hand its attention function, beyond (q, k, v, mask), that the seam
+# (hf/attention.py) honours exactly: anything else is refused with a ValueError naming it and the family.
+HONOURED_KWARGS = {
+    "scaling": "the score scale (query_pre_attn_scalar, attention multipliers)",
+    "dropout": "attention dropout, which must be 0",
+    "sliding_window": "the layer's sliding window (None on full-attention layers)",
+    "softcap": "logit soft-capping c * tanh(x / c), computed in the kernel",
+    "s_aux": "the model's learned sink logits, kept under every variant that accepts them",
+    "cu_seq_lens_q": "packed documents (varlen)", "cu_seq_lens_k": "packed documents (varlen)",
+    "max_length_q": "packed documents (varlen)", "max_length_k": "packed documents (varlen)",
+}
+# Keywords that travel through the decoder's **kwargs and do not enter the attention math: RoPE (and NoPE layers)
+# was applied to q and k before the call, the cache has been updated, router logits belong to the MoE MLP and the
+# Trainer's token count to the loss.
+INERT_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_router_logits", "position_embeddings",
+                          "num_items_in_batch"})
+
+
+def _tiny(**extra) -> dict[str, Any]:
+    """A tiny test model (hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 128); `extra` adds family keys."""
+    return {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 512,
+            "tie_word_embeddings": False, **extra}
+
+
+# Token ids inside the tiny vocabulary, for families whose defaults point past it.
+_TINY_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+_TWO_LAYER_TYPES = ["sliding_attention", "full_attention"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One supported transformers family. Every decoder layer is `model.layers[i]`, its attention `.self_attn` (fed
+    the pre-normed hidden states, as every family here is), its output projection `.o_proj`."""
+
+    name: str  # this library's name, e.g. "gemma3"
+    model_type: str  # transformers' config.model_type, e.g. "gemma3_text"
+    config_class: str  # transformers class names, resolved on use
+    model_class: str
+    projections: str  # how q, k, v are projected (fused or not, biases, q/k norms), for the families table
+    attention: str  # what its attention function receives beyond scaling, for the families table
+    tiny: Mapping[str, Any]  # the tiny test preset's config keys ("tiny-<name>"), sizes as `_tiny`
+    peft_targets: tuple[str, ...] = ("q_proj", "v_proj")  # LoRA's default target modules (PEFT's own for it)
+    native_sinks: bool = False  # its attention has learned sink logits (passed as s_aux)
+    # train: whether [model].attention_bias maps to the config's `attention_bias` (False: the family fixes its
+    # biases, e.g. Qwen2's q/k/v biases); every other [model] key maps to the config's key of the same meaning.
+    configurable_bias: bool = True
+    # train: the config takes RoPE parameters per layer type ({"sliding_attention": {...}, "full_attention": {...}});
+    # [model]'s one rope_theta then serves both.
+    rope_per_layer_type: bool = False
+
+    def classes(self) -> tuple[type, type]:
+        """(config class, causal LM class) of transformers."""
+        import transformers
+
+        return getattr(transformers, self.config_class), getattr(transformers, self.model_class)
+
+
+def _family(**kw) -> Family:
+    kw["tiny"] = MappingProxyType(kw["tiny"])
+    return Family(**kw)
+
+
+_SEPARATE = "q_proj, k_proj, v_proj (no bias)"
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    _family(name="llama", model_type="llama", config_class="LlamaConfig", model_class="LlamaForCausalLM",
+            projections=_SEPARATE + "; attention_bias adds them", attention="-", tiny=_tiny()),
+    _family(name="qwen2", model_type="qwen2", config_class="Qwen2Config", model_class="Qwen2ForCausalLM",
+            projections="q_proj, k_proj, v_proj with biases", attention="per-layer sliding window (optional)",
+            tiny=_tiny(), configurable_bias=False),
+    _family(name="qwen3", model_type="qwen3", config_class="Qwen3Config", model_class="Qwen3ForCausalLM",
+            projections=_SEPARATE + "; per-head q/k RMSNorm", attention="per-layer sliding window (optional)",
+            tiny=_tiny(head_dim=16)),
+    _family(name="mistral", model_type="mistral", config_class="MistralConfig", model_class="MistralForCausalLM",
+            projections=_SEPARATE, attention="sliding window", tiny=_tiny(sliding_window=4),
+            configurable_bias=False),
+    _family(name="gemma", model_type="gemma", config_class="GemmaConfig", model_class="GemmaForCausalLM",
+            projections=_SEPARATE, attention="-", tiny=_tiny(head_dim=16)),
+    _family(name="gemma2", model_type="gemma2", config_class="Gemma2Config", model_class="Gemma2ForCausalLM",
+            projections=_SEPARATE, attention="logit soft-capping (softcap); query_pre_attn_scalar scale; "
+            "sliding and full layers",
+            # a cap that bites at initialisation (|logit| ~ 0.1): dropping it changes the tiny model's logits by 1e-2
+            tiny=_tiny(head_dim=16, query_pre_attn_scalar=16, sliding_window=4, attn_logit_softcapping=0.05,
+                       layer_types=_TWO_LAYER_TYPES)),
+    _family(name="gemma3", model_type="gemma3_text", config_class="Gemma3TextConfig",
+            model_class="Gemma3ForCausalLM", projections=_SEPARATE + "; per-head q/k RMSNorm",
+            attention="query_pre_attn_scalar scale; sliding and full layers (own RoPE each)",
+            tiny=_tiny(head_dim=16, query_pre_attn_scalar=16, sliding_window=4, layer_types=_TWO_LAYER_TYPES),
+            rope_per_layer_type=True),
+    _family(name="phi3", model_type="phi3", config_class="Phi3Config", model_class="Phi3ForCausalLM",
+            projections="fused qkv_proj (no bias)", attention="sliding window (optional)",
+            tiny=_tiny(**_TINY_IDS), peft_targets=("qkv_proj",), configurable_bias=False),
+    _family(name="olmo2", model_type="olmo2", config_class="Olmo2Config", model_class="Olmo2ForCausalLM",
+            projections=_SEPARATE + "; q/k RMSNorm over all heads", attention="-",
+            tiny=_tiny(**_TINY_IDS)),
+    _family(name="qwen3_moe", model_type="qwen3_moe", config_class="Qwen3MoeConfig",
+            model_class="Qwen3MoeForCausalLM", projections=_SEPARATE + "; per-head q/k RMSNorm",
+            attention="per-layer sliding window (optional); MoE MLP",
+            tiny=_tiny(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    _family(name="mixtral", model_type="mixtral", config_class="MixtralConfig", model_class="MixtralForCausalLM",
+            projections=_SEPARATE, attention="sliding window (optional); MoE MLP",
+            tiny=_tiny(num_local_experts=4, num_experts_per_tok=2, sliding_window=4), configurable_bias=False),
+    _family(name="gpt_oss", model_type="gpt_oss", config_class="GptOssConfig", model_class="GptOssForCausalLM",
+            projections="q_proj, k_proj, v_proj with biases (attention_bias)",
+            attention="learned sinks (s_aux); sliding and full layers; MoE MLP", native_sinks=True,
+            tiny=_tiny(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                       layer_types=_TWO_LAYER_TYPES, **_TINY_IDS,
+                       # its YaRN RoPE, with the original length that makes the factor match the tiny context
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                        "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 16})),
+    _family(name="smollm3", model_type="smollm3", config_class="SmolLM3Config", model_class="SmolLM3ForCausalLM",
+            projections=_SEPARATE, attention="NoPE layers (no RoPE on q, k); sliding window (optional)",
+            tiny=_tiny(no_rope_layers=[1, 0], **_TINY_IDS)),
+    _family(name="granite", model_type="granite", config_class="GraniteConfig", model_class="GraniteForCausalLM",
+            projections=_SEPARATE, attention="attention_multiplier as the score scale",
+            tiny=_tiny(attention_multiplier=0.1, embedding_multiplier=2.0, residual_multiplier=0.5,
+                       logits_scaling=2.0)),
+)}
+
+
+def get_family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; supported: {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def family_of_config(config) -> Family:
+    """The family of a transformers config: its model_type, or `affine_<family>` for a converted one."""
+    model_type = getattr(config, "model_type", "")
+    for f in FAMILIES.values():
+        if model_type in (f.model_type, f"affine_{f.name}"):
+            return f
+    raise ValueError(f"model type {model_type!r} is not a supported family; supported: {sorted(FAMILIES)}")
+
+
+def family_names() -> list[str]:
+    return list(FAMILIES)
+
+
+def refusal(family: str, variant: str) -> str | None:
+    """Why `variant` cannot convert a model of `family` exactly, or None when it can."""
+    from ..variants import get_variant
+
+    cls = get_variant(variant)
+    if get_family(family).native_sinks and cls.refuses_model_sinks:
+        return cls.refuses_model_sinks
+    return None
