@@ -33,13 +33,13 @@ def _local_task(folder: Path) -> Path:
 
 def test_fixture_tasks_are_refused_before_training(tiny, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["compare", *sets(tiny + ["train.steps=2"]), "--out", str(out), "--tasks", "fixtures"]) == 2
+    assert main(["compare", "--config", "tiny", *sets(tiny + ["train.steps=2"]), "--out", str(out), "--tasks", "fixtures"]) == 2
     assert "offline fixture tasks" in capsys.readouterr().err
     assert not out.exists()  # nothing trained
-    assert main(["compare", *sets(tiny), "--out", str(out), "--tasks", "fixture_piqa"]) == 2
+    assert main(["compare", "--config", "tiny", *sets(tiny), "--out", str(out), "--tasks", "fixture_piqa"]) == 2
     capsys.readouterr()
     # A name lm-eval does not know fails before training too (not after every variant and seed has trained).
-    assert main(["compare", *sets(tiny + ["train.steps=2"]), "--out", str(out), "--tasks", "arc_eazy"]) == 2
+    assert main(["compare", "--config", "tiny", *sets(tiny + ["train.steps=2"]), "--out", str(out), "--tasks", "arc_eazy"]) == 2
     assert "arc_eazy" in capsys.readouterr().err
     assert not out.exists()
 
@@ -61,7 +61,7 @@ def offline_empty_cache(tmp_path, monkeypatch):
 
 def test_paper_task_without_its_data_fails_before_training(tiny, tmp_path, offline_empty_cache, capsys):
     out = tmp_path / "run"
-    args = ["compare", *sets(tiny + ["train.steps=2", "compare.variants=['softmax']", "compare.seeds=1"]),
+    args = ["compare", "--config", "tiny", *sets(tiny + ["train.steps=2", "compare.variants=['softmax']", "compare.seeds=1"]),
             "--out", str(out), "--tasks", "piqa,arc_easy"]
     assert main(args) == 2
     assert not out.exists()  # nothing trained, no run folder or metrics
@@ -122,7 +122,7 @@ def test_fixture_and_local_tasks_pass_the_data_check(tmp_path, offline_empty_cac
 def test_local_tasks_reach_table_1_and_the_claims(tiny, tmp_path):
     out = tmp_path / "run"
     tasks = _local_task(tmp_path / "tasks")
-    args = ["compare", *sets(tiny + ["train.steps=2", "compare.variants=['softmax', 'affine']", "compare.seeds=2"]),
+    args = ["compare", "--config", "tiny", *sets(tiny + ["train.steps=2", "compare.variants=['softmax', 'affine']", "compare.seeds=2"]),
             "--out", str(out), "--tasks", "my_piqa", "--include-path", str(tasks)]
     assert main(args) == 0
     result = json.loads((out / "affine" / "seed1" / "result.json").read_text())

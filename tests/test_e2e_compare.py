@@ -1,6 +1,7 @@
-"""End to end: the README's main command (`affine-attention compare`, tiny preset, offline) trains softmax, sink,
-affine and the scaled_softmax control with 3 seeds and writes the summary and the report with its tables, the Claims
-table (whose verdicts follow the stated rule from the numbers in summary.json) and every figure."""
+"""End to end: the README's main command (`affine-attention compare`, the sink-probe preset, offline) trains every
+variant and both controls with 3 seeds on the Bigram-Backcopy task and writes the summary and the report with its
+tables, the Claims table (whose verdicts follow the stated rule from the numbers in summary.json), the sink-mechanism
+table and every figure."""
 import json
 import re
 import time
@@ -16,7 +17,10 @@ def test_default_compare_writes_summary_and_report(tmp_path):
     assert main(["compare", "--out", str(tmp_path)]) == 0
     wall = time.time() - t0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert list(summary["variants"]) == ["softmax", "sink", "affine", "scaled_softmax"]
+    from affine_attention.train.config_load import load_config
+    from affine_attention.variants import REGISTRY
+
+    assert list(summary["variants"]) == load_config("sink-probe").compare.variants == list(REGISTRY)
     assert all(v["seeds"] == 3 for v in summary["variants"].values())
     assert summary["hardware"] and "torch" in summary["versions"]
     for v in summary["variants"].values():
@@ -30,7 +34,11 @@ def test_default_compare_writes_summary_and_report(tmp_path):
     for f in figures:
         assert (tmp_path / f).is_file() and (tmp_path / f).stat().st_size > 5000, f
     assert html.count("data:image/png;base64,") == len(figures), "report.html must embed every figure"
-    _check_claims(json.loads((tmp_path / "summary.json").read_text()), md)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    _check_claims(summary, md)
+    probe = summary["sink_probe"]
+    assert set(probe["variants"]) == set(summary["variants"]) and "Table 4. The sink mechanism" in md
+    assert summary["claims"]["baseline_sink"] == probe["reference_sink"]
     print(f"default compare with report: {wall:.0f} s")  # timing is reported, never asserted
 
 
@@ -41,7 +49,9 @@ def _check_claims(summary: dict, md: str) -> None:
     claims = summary["claims"]
     assert "## Claims" in md and claims["rule"] in md
     rows = claims["methods"]["affine"]["rows"]
-    assert claims["methods"]["affine"]["control"] == "scaled_softmax"
+    from affine_attention.variants import REGISTRY
+
+    assert claims["methods"]["affine"]["control"] == REGISTRY["affine"].controls[0]
     direction = {c.metric: c.direction for c in CLAIMS}
     assert {"train_loss", "heldout", "grad_cv", "spikes", "first_token", "entropy", "heads"} <= {r["claim"] for r in rows}
     for r in rows:

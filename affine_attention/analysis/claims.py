@@ -7,6 +7,8 @@ Input layout: per_seed[variant][seed] = {metric: value or None}. Metrics (the pe
   final_train_loss, heldout_loss       lower is better (held-out perplexity is exp(heldout_loss): same verdict)
   grad_cv, spikes_k9                   gradient-norm CV and spike count in the early-training window
   first_token_mass                     mean over layers of the first-token attention weight
+  dormant_first_token_mass             first-token weight of the queries with nothing to do (Bigram-Backcopy
+                                       non-trigger queries) at the probe's layer; only on such runs
   entropy                              mean over layers of the attention entropy (nats)
   head_mass_cv                         coefficient of variation, across every layer's heads, of the mean
                                        non-first-token attention mass: lower = more even head utilisation
@@ -51,6 +53,10 @@ CLAIMS = [
     Claim("grad_cv", "lower gradient-norm CV", "grad_cv", -1),
     Claim("spikes", "fewer gradient spikes (k = 9)", "spikes_k9", -1),
     Claim("first_token", "less first-token attention", "first_token_mass", -1, needs_sink=True),
+    # Where a run knows which queries have nothing to do (the Bigram-Backcopy probe): their first-token mass of the
+    # effective weights at the probe's layer, the place the sink forms, rather than a mean over every query and layer.
+    Claim("first_token_dormant", "less first-token attention where the head is dormant (effective weights)",
+          "dormant_first_token_mass", -1, needs_sink=True),
     Claim("entropy", "higher attention entropy", "entropy", +1),
     Claim("heads", "more even head utilisation", "head_mass_cv", -1),
     Claim("zero_shot", "higher zero-shot accuracy", "zero_shot_avg", +1),
@@ -94,12 +100,13 @@ def _summary(diffs: list[float]) -> dict:
 
 
 def claim_rows(per_seed: dict, *, method: str, baseline: str, control: str | None,
-               baseline_sink: bool | None) -> list[dict]:
+               baseline_sink: bool | None, sink_criterion: str | None = None) -> list[dict]:
     """One row per claim: the paired differences of `method` to `baseline` and to `control`, and their verdicts.
 
     baseline_sink: whether the baseline formed an attention sink (None: not measured). Rows whose metric no run
     measured (e.g. zero-shot without tasks) are left out; a metric measured for some runs only is "not testable
-    here" where the pairs are missing.
+    here" where the pairs are missing. sink_criterion: the sink test in words when it is not SINK_FACTOR x the
+    uniform share in SINK_MIN_LAYERS layers (the reason a first-token row gives when the baseline fails it).
     """
     rows = []
     measured = {m for runs in per_seed.values() for vals in runs.values() for m, v in vals.items() if v is not None}
@@ -117,9 +124,10 @@ def claim_rows(per_seed: dict, *, method: str, baseline: str, control: str | Non
             v, why = verdict(diffs, c.direction), None
             if c.needs_sink and baseline_sink is not True:
                 v = "not testable here"
-                why = (f"{baseline} forms no attention sink: fewer than {SINK_MIN_LAYERS} layers reach "
-                       f"{SINK_FACTOR:g}x the uniform first-token share"
-                       if baseline_sink is False else "first-token mass of the baseline not measured")
+                why = ("first-token mass of the baseline not measured" if baseline_sink is None else
+                       f"{baseline} forms no attention sink ({sink_criterion})" if sink_criterion else
+                       f"{baseline} forms no attention sink: fewer than {SINK_MIN_LAYERS} layers reach "
+                       f"{SINK_FACTOR:g}x the uniform first-token share")
             elif len(diffs) < MIN_SEEDS:
                 why = f"{len(diffs)} paired seed(s); the rule needs {MIN_SEEDS}"
             row[ref_name] = {"against": ref, "diff": _summary(diffs), "verdict": v, "why": why}
@@ -186,7 +194,8 @@ def run_per_seed(numbers: dict, grad_by_seed: dict, attention_by_seed: dict, zer
             if g:
                 row["grad_cv"], row["spikes_k9"] = g["cv"], float(g["spikes"][9])
             a = attention_by_seed.get(v, {}).get(s) or {}
-            row.update({k: a.get(k) for k in ("first_token_mass", "entropy", "head_mass_cv")})
+            row.update({k: a.get(k) for k in ("first_token_mass", "dormant_first_token_mass", "entropy",
+                                              "head_mass_cv")})
             z = zero_shot_by_seed.get(v, {}).get(s)
             row["zero_shot_avg"] = statistics.fmean(z.values()) if z else None
             out.setdefault(v, {})[s] = row

@@ -7,11 +7,14 @@ from pathlib import Path
 from .compare_run import grad_window, load_run, run_config
 from .report_claims import claims_blocks, claims_data, record_claims
 from .report_figures import attention_figures, attention_records, training_figures
+from .report_probe import probe_blocks, probe_data, probe_task, summary_record
 from .report_prose import controls_note, honest, title
 from .report_tables import control_table, grad_table, losses_table, setup_rows
 from .report_template import Heading, Para, Table, to_html, to_markdown
 
 __all__ = ["write_report"]
+
+PROBE_SEQUENCES = 64  # held-out task sequences for the sink measurements (cheap: the probe models are tiny)
 
 
 def write_report(run_dir: str | Path, *, sequences: int = 4, length: int | None = None, attention: bool = True,
@@ -46,9 +49,22 @@ def write_report(run_dir: str | Path, *, sequences: int = 4, length: int | None 
         blocks.append(Para(controls))
     if t3 is not None:
         blocks.append(t3)
-    claims = claims_data(runs, numbers, gwin, by_seed, length)
+    probe, sink = None, None
+    if attention and probe_task(cfg) is not None:  # the Bigram-Backcopy probe: the sink test reads dormant queries
+        probe = probe_data(runs, cfg, max(sequences, PROBE_SEQUENCES))
+        sink = (probe["reference_sink"], f"dormant (non-trigger) queries' first-token softmax mass at least "
+                f"{probe['factor']:g}x their uniform share at the probe's layer, mean over seeds")
+    extra = None
+    if probe is not None:
+        L = probe["layer"]
+        extra = {v: {s: {"dormant_first_token_mass": next(x["w_first"]["dormant"] for x in m["layers"]
+                                                           if x["layer"] == L)}
+                     for s, m in d["per_seed"].items()} for v, d in probe["variants"].items()}
+    claims = claims_data(runs, numbers, gwin, by_seed, length, sink, extra)
     blocks += claims_blocks(claims)
-    record_claims(run_dir, summary, claims)
+    if probe is not None:
+        blocks += probe_blocks(probe, figdir)
+    record_claims(run_dir, summary, claims, {"sink_probe": summary_record(probe)} if probe is not None else None)
     blocks += [Heading("What this run shows and does not show")]
     blocks += [Para(p) for p in honest(runs, numbers, grad, glabel, attn)]
     blocks += [Heading("Figures")] + figs

@@ -116,12 +116,19 @@ def _heldout_texts(cfg: dict) -> tuple[list[str], str]:
 def attention_records(runs: dict[str, list[SeedRun]], cfg: dict, sequences: int, length: int, chunk: int):
     """variant -> seed -> LayerRecords of that run's final checkpoint on the first held-out windows, plus the
     pretrained model a retrofit started from (key BEFORE); (records, note)."""
-    texts, note = _heldout_texts(cfg)
+    from .report_probe import probe_ids, probe_task
+
     out: dict = {}
+    if probe_task(cfg) is not None:  # a synthetic task: its held-out sequences, not text in its tiny vocabulary
+        ids = probe_ids(cfg, sequences)[:, :length]
+        note = "the run's held-out Bigram-Backcopy sequences"
+    else:
+        texts, note = _heldout_texts(cfg)
 
     def rec(spec: str):
         model, tok, _ = load_model(spec)
-        return record(model, token_windows(tok, texts, sequences, length), chunk=chunk)
+        return record(model, ids if probe_task(cfg) is not None else token_windows(tok, texts, sequences, length),
+                      chunk=chunk)
 
     init_from = cfg.get("model", {}).get("init_from")
     if init_from:

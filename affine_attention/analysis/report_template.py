@@ -27,6 +27,12 @@ class Table:
     caption: str = ""
     title: str = ""
     key_value: bool = False  # a two-column "item: value" table: left-aligned text, header hidden in HTML
+    # Numbered notes printed below the table. Long explanations live here, not in cells: a cell that holds a
+    # sentence widens its column until the columns to its right (the Claims verdicts) scroll out of view.
+    notes: list[str] = field(default_factory=list)
+    # Columns (0-based) whose cells may wrap at spaces in HTML; the others stay on one line. A wide table gives up
+    # line breaks in its descriptive columns so that the short ones (verdicts) stay in view without scrolling.
+    wrap_columns: tuple[int, ...] = ()
 
 
 @dataclass
@@ -55,6 +61,8 @@ def to_markdown(blocks: list, base: Path) -> str:
             out.append("|" + "---|" * len(b.header))
             out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in b.rows]
             out.append("")
+            if b.notes:
+                out += [f"{i}. {_md_cell(n)}" for i, n in enumerate(b.notes, 1)] + [""]
             if b.caption:
                 out += [f"*{b.caption}*", ""]
         elif isinstance(b, Figure):
@@ -66,7 +74,7 @@ def to_markdown(blocks: list, base: Path) -> str:
 
 
 CSS = """
-body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; max-width: 1100px; margin: 2em auto;
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; max-width: 1180px; margin: 2em auto;
        padding: 0 1.5em; color: #1a1a1a; line-height: 1.5; }
 h1 { border-bottom: 2px solid #ddd; padding-bottom: .3em; }
 h2 { margin-top: 2em; border-bottom: 1px solid #eee; }
@@ -81,6 +89,8 @@ figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
 .table-title { font-weight: 600; margin-bottom: 0; }
 table.kv td { text-align: left; white-space: normal; }
 table.kv td:first-child { font-weight: 600; white-space: nowrap; }
+td.wrap { white-space: normal; overflow-wrap: anywhere; }
+ol.notes { color: #444; font-size: 0.88em; margin: .2em 0 .4em; padding-left: 1.6em; }
 """
 
 
@@ -107,8 +117,12 @@ def to_html(blocks: list, title: str) -> str:
             else:
                 out.append("<table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in b.header) +
                            "</tr></thead><tbody>")
-            out += ["<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>" for row in b.rows]
+            out += ["<tr>" + "".join(f'<td class="wrap">{e(str(c))}</td>' if i in b.wrap_columns
+                                     else f"<td>{e(str(c))}</td>" for i, c in enumerate(row)) + "</tr>"
+                    for row in b.rows]
             out.append("</tbody></table>")
+            if b.notes:
+                out.append('<ol class="notes">' + "".join(f"<li>{e(n)}</li>" for n in b.notes) + "</ol>")
             if b.caption:
                 out.append(f'<p class="caption">{e(b.caption)}</p>')
         elif isinstance(b, Figure):

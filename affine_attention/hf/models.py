@@ -13,15 +13,10 @@ refuses a config.json whose spec differs from it (see `check_weights_spec`).
 from __future__ import annotations
 
 import inspect
-import json
 import os
-import shutil
-import struct
-import uuid
 import warnings
-from importlib import metadata as _dist
 
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
 from . import _autoload
 

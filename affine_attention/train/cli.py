@@ -9,12 +9,12 @@ import sys
 import time
 
 
-def add_run_options(p: argparse.ArgumentParser) -> None:
-    """--config, --set, --out and --resume: shared by train and compare."""
+def add_run_options(p: argparse.ArgumentParser, default: str = "tiny") -> None:
+    """--config (default: `default`), --set, --out and --resume: shared by train and compare."""
     from .config_load import preset_names  # cheap: no torch
 
-    p.add_argument("--config", default="tiny", help=f"preset name ({', '.join(preset_names())}) or a TOML file; "
-                   "default: tiny")
+    p.add_argument("--config", default=default, help=f"preset name ({', '.join(preset_names())}) or a TOML file; "
+                   f"default: {default}")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, e.g. --set train.steps=100 --set optim.lr=3e-4 (repeatable)")
     p.add_argument("--out", default=None, help="run folder (default: train.out_dir, else runs/<command>-<time>)")

@@ -67,6 +67,22 @@ def markdown(summary: dict[str, Any], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def overall_line(i: int, n: int, elapsed_s: float, trained: int, left: int) -> str:
+    """The one overall progress line of a compare: run i of n, the time so far and an estimate of the time left.
+
+    trained: runs trained so far in this invocation (resumed ones cost nothing, so they do not enter the rate);
+    left: runs still to train, this one included. The estimate assumes the remaining runs cost what the trained ones
+    did on average (every run of a compare has the same steps and model size, variants differ by a few percent);
+    before the first run has finished there is no rate, and the line says so instead of guessing."""
+    eta = f"about {_clock(elapsed_s / trained * left)} left" if trained else "time left known after the first run"
+    return f"[compare] run {i} of {n}, {_clock(elapsed_s)} elapsed, {eta}"
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
 def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, resume: bool = False,
             log=print) -> dict[str, Any]:
     """Train every variant for every seed (`seeds`, default compare.seeds) into out_dir and write summary.json /
@@ -87,6 +103,10 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, re
     tok = load_tokenizer(tokenizer_spec(cfg))
     t0 = time.time()
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in cfg.compare.variants}
+    n_runs = seeds * len(cfg.compare.variants)
+    todo = [(k, v) for k in range(seeds) for v in cfg.compare.variants
+            if not (resume and (out_dir / v / f"seed{k}" / "result.json").is_file())]
+    trained = 0
     for k in range(seeds):
         seed_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=cfg.train.seed + k))
         base = base_model(cfg, seed_cfg.train.seed, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -97,17 +117,22 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, re
                 log(f"[compare] {variant} seed {k}: already done, reusing {done}")
                 results[variant].append(read_result(run_dir))
                 continue
+            log(overall_line(k * len(cfg.compare.variants) + cfg.compare.variants.index(variant) + 1, n_runs,
+                             time.time() - t0, trained, len(todo) - trained))
             log(f"[compare] {variant} seed {k} -> {run_dir}")
             partial = resume and (run_dir / "metrics.jsonl").is_file()
             results[variant].append(train(seed_cfg, run_dir, resume=partial, base_model=base, variant=variant,
                                           variant_options=variant_options(cfg, variant),
                                           label=f"{variant} s{k}", log=log))
+            trained += 1
+    log(f"[compare] {n_runs} of {n_runs} runs done in {_clock(time.time() - t0)}")
     summary = {"variants": summarize(results), "seeds": seeds, "total_wall_time_s": time.time() - t0,
                "config": cfg.to_dict(), "hardware": hardware(), "versions": versions()}
     if info.is_main:
         atomic_write_json(out_dir / "summary.json", summary)
-        masking = ("per document (data.document_mask = true)" if cfg.data.document_mask
-                   else "across document boundaries (data.document_mask = false)")
+        masking = ("does not apply (data.train.kind = 'backcopy': one generated sequence per row)"
+                   if cfg.data.train.kind == "backcopy" else "per document (data.document_mask = true)"
+                   if cfg.data.document_mask else "across document boundaries (data.document_mask = false)")
         atomic_write_text(out_dir / "summary.md",
                           markdown(summary["variants"], f"compare: {out_dir.name}") +
                           f"\nAttention in packed rows: {masking}; tokens/s are measured so.\n"

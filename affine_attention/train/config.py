@@ -143,13 +143,31 @@ class SourceConfig:
     """Where documents come from. corpus: the embedded Shakespeare; files: local text/JSONL/parquet; hub: a dataset
     name streamed with `datasets` (needs network)."""
 
-    kind: Literal["corpus", "files", "hub"] = "corpus"
-    split: str = "train"  # corpus: "train" or "validation"; hub/files: the datasets split name
+    # backcopy: the synthetic Bigram-Backcopy task of [data.backcopy] (data_backcopy.py); split "train" and
+    # "validation" draw disjoint sequence streams of the same task.
+    kind: Literal["corpus", "files", "hub", "backcopy"] = "corpus"
+    split: str = "train"  # corpus, backcopy: "train" or "validation"; hub/files: the datasets split name
     paths: list[str] = field(default_factory=list)  # files: *.txt (one document per file), *.jsonl/*.json, *.parquet
     name: str = ""  # hub: dataset name, e.g. "HuggingFaceFW/fineweb-edu"
     subset: str = ""  # hub: configuration name, e.g. "sample-10BT"
     revision: str = ""  # hub: git revision (pin it for reproducible runs)
     text_field: str = "text"
+
+
+@dataclass
+class BackcopyConfig:
+    """The Bigram-Backcopy task (Guo et al. 2024, arXiv 2410.13835), read only by a source of kind "backcopy": every
+    sequence starts with BOS; tokens follow a fixed bigram chain, except that after one of the `triggers` most
+    frequent tokens the next token copies the token before the trigger. A head solves it by attending to the
+    previous token on triggers and nowhere useful elsewhere: the setting in which softmax forms a BOS sink."""
+
+    # corpus: the bigram statistics of the `vocab` most frequent tokens of the embedded corpus (packaged tokenizer);
+    # random: a seeded sparse chain, `branching` successors per token with Dirichlet(1) weights.
+    transitions: Literal["corpus", "random"] = "corpus"
+    vocab: int = count(64, ge=4)  # tokens besides BOS
+    triggers: int = count(3, ge=1)  # the k most frequent tokens (under the chain's stationary start) trigger a copy
+    branching: int = count(8, ge=1)  # random: successors per token
+    seed: int = count(0, ge=0, le=2**32 - 1)  # the task (random chain); every run seed learns the same task
 
 
 @dataclass
@@ -168,6 +186,7 @@ class DataConfig:
     eval_batch: int = count(8, ge=1)
     probe_sequences: int = count(2, ge=1)  # fixed batch for the query-key logit probe (the first eval sequences)
     token_cache_dir: str = "~/.cache/affine_attention/tokens"  # tokenised corpus/files arrays; "" disables
+    backcopy: BackcopyConfig = field(default_factory=BackcopyConfig)
 
 
 @dataclass

@@ -210,10 +210,32 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> RunConfig:
     try:
         _check_init_from(data)
         cfg = from_dict(RunConfig, _expand_preset(data))
+        _backcopy_tokenizer(cfg)
         validate(cfg)
     except ValueError as err:
         raise ValueError(f"{source}: {err}") from None
     return cfg
+
+
+def _backcopy_tokenizer(cfg: RunConfig) -> None:
+    """A backcopy source brings its own vocabulary: data.tokenizer "default" becomes that vocabulary's spec, and
+    any other tokenizer, or mixing backcopy with a text source, is refused (the ids would mean different tokens)."""
+    from .data_backcopy import SPEC_PREFIX, tokenizer_spec
+
+    d = cfg.data
+    kinds = {d.train.kind == "backcopy", d.eval.kind == "backcopy"}
+    if kinds == {False}:
+        if d.tokenizer.startswith(SPEC_PREFIX):
+            raise ValueError(f"data.tokenizer {d.tokenizer!r} belongs to data.train.kind = 'backcopy'")
+        return
+    if len(kinds) == 2:
+        raise ValueError("data.train and data.eval must both be of kind 'backcopy' or neither (one vocabulary)")
+    spec = tokenizer_spec(d.backcopy)
+    if d.tokenizer not in ("default", spec):
+        raise ValueError(f"data.tokenizer must be 'default' (or {spec!r}) with a backcopy source, got {d.tokenizer!r}")
+    if cfg.model.init_from:
+        raise ValueError("a backcopy source trains from scratch on its own vocabulary; unset model.init_from")
+    d.tokenizer = spec
 
 
 def validate(cfg: RunConfig) -> None:
@@ -240,8 +262,8 @@ def validate(cfg: RunConfig) -> None:
             raise ValueError(f"{name}.kind = 'files' needs {name}.paths (a list of files or glob patterns)")
         if src.kind == "hub" and not src.name:
             raise ValueError(f"{name}.kind = 'hub' needs {name}.name (a datasets hub name)")
-        if src.kind == "corpus" and src.split not in ("train", "validation"):
-            raise ValueError(f"{name}.split must be 'train' or 'validation' for the embedded corpus, got {src.split!r}")
+        if src.kind in ("corpus", "backcopy") and src.split not in ("train", "validation"):
+            raise ValueError(f"{name}.split must be 'train' or 'validation' for kind {src.kind!r}, got {src.split!r}")
     if k.enabled and not k.teacher:
         raise ValueError("kd.enabled = true needs kd.teacher (a folder, hub name, *.gguf file or alias)")
     if k.enabled and k.cache and k.top_k == 0:

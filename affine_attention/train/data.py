@@ -206,7 +206,11 @@ class PackedStream:
 # --- what the trainer uses -------------------------------------------------------------------------------------
 
 def open_source(src: SourceConfig, tok, cfg: DataConfig, seed: int, *, shuffle: bool):
-    """A PackedArray (corpus, files) or PackedStream (hub) for `src`."""
+    """A PackedArray (corpus, files), PackedStream (hub) or BackcopySource (backcopy: generated, not packed)."""
+    if src.kind == "backcopy":
+        from .data_backcopy import BackcopySource
+
+        return BackcopySource(cfg.backcopy, src.split, cfg.seq_len, seed)
     sep = separator_id(tok, cfg.separator)
     if src.kind == "hub":
         return PackedStream(src, tok, cfg.seq_len, sep)
@@ -222,6 +226,8 @@ def data_key(source, seq_len: int) -> str:
 def eval_sequences(src: SourceConfig, tok, cfg: DataConfig, count: int) -> torch.Tensor:
     """The first `count` sequences of `src` in order: (count, T + 1) int64 (held-out loss and probe batch)."""
     source = open_source(src, tok, cfg, seed=0, shuffle=False)
+    if src.kind == "backcopy":
+        return source.rows(np.arange(count))
     if isinstance(source, PackedArray):
         if count > source.n:
             raise ValueError(f"data.eval_sequences = {count} but the eval source holds only {source.n} sequences "

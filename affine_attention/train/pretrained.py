@@ -12,8 +12,10 @@ from ..hf.load import resolve
 def load_tokenizer(spec: str):
     """The tokenizer for `data.tokenizer` ("default": the packaged 4096-token BPE, offline; hub names allowed)."""
     from ..hf.load import load_tokenizer as load
+    from .data_backcopy import SPEC_PREFIX, tokenizer_from_spec
 
-    tok = load(spec, hub=True)
+    # A synthetic task's vocabulary is its own tokenizer (data_backcopy.py); config_load names it in data.tokenizer.
+    tok = tokenizer_from_spec(spec) if spec.startswith(SPEC_PREFIX) else load(spec, hub=True)
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer {spec!r} has no eos token; packing needs one as the document separator")
     return tok
