@@ -300,3 +300,22 @@ def test_converted_model_runs_on_the_meta_device(variant):
     logits.sum().backward()
     assert logits.shape == (2, 7, model.config.vocab_size) and logits.device.type == "meta"
     assert all(p.grad is not None and p.grad.device.type == "meta" for p in model.parameters() if p.requires_grad)
+
+
+def test_a_subclass_with_a_model_type_of_its_own_converts_as_its_family():
+    from transformers import LlamaConfig
+
+    class MyConfig(LlamaConfig):
+        model_type = "my_llama"
+
+    ref = tiny("llama")
+    model = MyLlama(MyConfig(**{k: v for k, v in ref.config.to_dict().items() if k != "model_type"}))
+    assert model.config.model_type == "my_llama"
+    model.load_state_dict(ref.state_dict())
+    model.eval()
+    for m in (ref, model):
+        affine_attention.convert(m, "affine_gated")
+    assert model.config.model_type == "affine_llama"
+    ids = torch.randint(0, 128, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)

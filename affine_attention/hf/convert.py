@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from . import models
+from .families import get_family
 from .attention import ATTN_IMPLEMENTATION
 from ..variants import build_variant
 from .layers import CONFIG_KEY, VARIANT_ATTR, attach_variants, attention_layers, layer_shape, make_spec
@@ -44,7 +45,7 @@ def convert(model: nn.Module, variant: str, *, function_preserving: bool = False
         probe.retrofit()
         spec["retrofit"] = {"function_preserving": True, "weight_scale": probe.retrofit_weight_scale()}
     with torch.no_grad():
-        attach_variants(model, spec)
+        attach_variants(model, spec, get_family(family))  # by class: a subclass may have its own model type
         if function_preserving:
             spec["retrofit"]["o_proj_scale"] = _fold_output_scale(model)
     _give_own_config(model)

@@ -10,7 +10,7 @@ from torch import nn
 from ..variants import AttentionShape, build_variant, options_to_dict, parse_options, variant_names
 from . import packing
 from .attention import capture_attention_input
-from .families import family_of_config
+from .families import Family, family_of_config
 
 CONFIG_KEY = "affine_attention"  # config.affine_attention = {"variant": name, "options": {...}}
 VARIANT_ATTR = "attn_variant"  # new parameters are named ...self_attn.attn_variant.<name>
@@ -69,10 +69,11 @@ def layer_shape(config, attn: nn.Module) -> AttentionShape:
     return AttentionShape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim)
 
 
-def attach_variants(model: nn.Module, spec: Mapping[str, Any]) -> None:
-    """Give every attention layer an `attn_variant` module and the pre-hook that captures its input x."""
+def attach_variants(model: nn.Module, spec: Mapping[str, Any], family: Family | None = None) -> None:
+    """Give every attention layer an `attn_variant` module and the pre-hook that captures its input x. family: the
+    model's entry of the family table (default: read from its config's model type)."""
     config = model.config
-    family = family_of_config(config)
+    family = family if family is not None else family_of_config(config)
     for attn in attention_layers(model):
         if hasattr(attn, VARIANT_ATTR):
             raise ValueError(f"layer {attn.layer_idx} already has an attention variant "
