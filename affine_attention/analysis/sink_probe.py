@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..ops import softmax_attention_reference
 from .capture import _bind, find_variant_modules
 
 __all__ = ["measure", "sink_formed", "aggregate", "SINK_FACTOR"]
@@ -57,17 +58,15 @@ def _layer(module, args, kwargs, active: Tensor, dormant: Tensor) -> dict[str, A
     vis = mask.chunk_bool(0, T, q.device, 0, S)  # (B|1, 1|H, T, S)
     _, w, extras = module.reference(q, k, v, x, mask=mask, scale=scale, softcap=a["softcap"],
                                     model_sinks=a["model_sinks"])
-    kr = k.repeat_interleave(H // k.shape[1], dim=1)  # GQA: each query head reads its key head
-    logits = (q @ kr.transpose(-1, -2)).double() * (scale if scale is not None else D ** -0.5)
-    if a["softcap"] is not None:
-        logits = a["softcap"] * torch.tanh(logits / a["softcap"])
-    p = torch.softmax(logits.masked_fill(~vis, float("-inf")), dim=-1)
+    # the plain softmax over the visible keys (the variant's kernel part), in float64
+    _, p = softmax_attention_reference(q.double(), k.double(), v.double(), attn_mask=vis, scale=scale,
+                                       softcap=a["softcap"], enable_gqa=H != k.shape[1])
     vnorm = v.double().norm(dim=-1)  # (B, Hkv, S)
+    uniform = (1.0 / vis.sum(-1).clamp(min=1)).expand(B, H, T).double()  # 1 / N_i
     out = {"p_first": {"active": _mean_on(p[..., 0], active), "dormant": _mean_on(p[..., 0], dormant)},
            "w_first": {"active": _mean_on(w[..., 0], active), "dormant": _mean_on(w[..., 0], dormant)},
            "value_norm_ratio": float(vnorm[..., 0].mean() / vnorm[..., 1:].mean()),
-           "uniform_first": {"active": _mean_on((1.0 / vis.sum(-1).clamp(min=1)).expand(B, H, T).double(), active),
-                             "dormant": _mean_on((1.0 / vis.sum(-1).clamp(min=1)).expand(B, H, T).double(), dormant)}}
+           "uniform_first": {"active": _mean_on(uniform, active), "dormant": _mean_on(uniform, dormant)}}
     if "alpha" in extras:
         out["alpha"] = {"active": _quartiles(extras["alpha"], active), "dormant": _quartiles(extras["alpha"], dormant)}
     if extras.get("sink_mass") is not None:
