@@ -66,5 +66,28 @@ def cli(args: list[str], *, env: dict | None = None, timeout: float = 300, check
     return out
 
 
+def cli_in_process(args: list[str]) -> subprocess.CompletedProcess:
+    """`affine-attention ARGS` through cli.main in this process, as a CompletedProcess (exit code, stdout, stderr):
+    a second of set-up less than `cli` for tests of what the command says. An exception other than the command's
+    own exit propagates, so a traceback fails the test as it would on a terminal. Restores torch's thread count."""
+    import contextlib
+    import io
+
+    import torch
+
+    from affine_attention.cli import main
+
+    out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(args)
+            except SystemExit as exit_:  # argparse's usage errors
+                code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(["affine-attention", *args], code, out.getvalue(), err.getvalue())
+
+
 def sets(overrides: list[str]) -> list[str]:
     return [x for o in overrides for x in ("--set", o)]
