@@ -31,6 +31,8 @@ import torch
 
 from ..text import documents as text_documents
 from .config import DataConfig, SourceConfig
+from .packed import PackedArray
+from .prefetch import Prefetcher
 from .pretrained import tokenizer_fingerprint
 
 TOKENIZE_BATCH = 32  # documents per tokenizer call
@@ -93,52 +95,6 @@ def token_stream(src: SourceConfig, tok, cache_dir: str, sep: int) -> tuple[np.n
             np.save(f, tokens, allow_pickle=False)
         os.replace(tmp, path)
     return tokens, key
-
-
-class PackedArray:
-    """A fixed list of packed sequences over an in-memory token stream, visited in per-epoch permutations."""
-
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, shuffle: bool, key: str):
-        self.tokens, self.T, self.seed, self.shuffle, self.key = tokens, seq_len, seed, shuffle, key
-        self.n = (len(tokens) - 1) // seq_len
-        if self.n < 1:
-            raise ValueError(f"the data has {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}")
-        self.position = 0  # sequences consumed
-        self._perm_epoch, self._perm = -1, None
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            self._perm = (np.random.default_rng([self.seed, epoch]).permutation(self.n) if self.shuffle
-                          else np.arange(self.n))
-            self._perm_epoch = epoch
-        return self._perm
-
-    def rows(self, ids: np.ndarray) -> torch.Tensor:
-        """(len(ids), T + 1) int64 tokens of the given sequence ids."""
-        starts = ids.astype(np.int64) * self.T
-        idx = starts[:, None] + np.arange(self.T + 1)[None, :]
-        return torch.from_numpy(self.tokens[idx].astype(np.int64))
-
-    def take(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next `count` sequences: tokens (count, T + 1) int64 and their ids (count,) int64."""
-        ids = []
-        for g in range(self.position, self.position + count):
-            ids.append(self._order(g // self.n)[g % self.n])
-        self.position += count
-        ids = np.asarray(ids, dtype=np.int64)
-        return self.rows(ids), torch.from_numpy(ids)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"kind": "array", "position": self.position, "n": self.n, "key": self.key}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("kind") != "array" or state.get("key") != self.key or state.get("n") != self.n:
-            raise ValueError("the checkpoint's data position belongs to different data (tokenizer, text or "
-                             "seq_len changed); resume with the run's original data settings")
-        self.position = int(state["position"])
-
-    def epoch(self) -> int:
-        return self.position // self.n
 
 
 # --- streamed sources ------------------------------------------------------------------------------------------
@@ -206,12 +162,17 @@ class PackedStream:
 # --- what the trainer uses -------------------------------------------------------------------------------------
 
 def open_source(src: SourceConfig, tok, cfg: DataConfig, seed: int, *, shuffle: bool):
-    """A PackedArray (corpus, files), PackedStream (hub) or BackcopySource (backcopy: generated, not packed)."""
+    """A PackedArray (corpus, files), TokenSource (tokens: a prepared folder, shards.py), PackedStream (hub) or
+    BackcopySource (backcopy: generated, not packed)."""
     if src.kind == "backcopy":
         from .data_backcopy import BackcopySource
 
         return BackcopySource(cfg.backcopy, src.split, cfg.seq_len, seed)
     sep = separator_id(tok, cfg.separator)
+    if src.kind == "tokens":
+        from .shards import TokenSource
+
+        return TokenSource(src.paths[0], tok, sep, cfg.seq_len, seed, shuffle)
     if src.kind == "hub":
         return PackedStream(src, tok, cfg.seq_len, sep)
     tokens, key = token_stream(src, tok, cfg.token_cache_dir, sep)
@@ -232,8 +193,13 @@ def eval_sequences(src: SourceConfig, tok, cfg: DataConfig, count: int) -> torch
         if count > source.n:
             raise ValueError(f"data.eval_sequences = {count} but the eval source holds only {source.n} sequences "
                              f"of {cfg.seq_len + 1} tokens")
+        if hasattr(source, "verify"):  # prepared shards: checksums of the few it reads
+            source.verify(source.shards_of(np.arange(count)))
         return source.rows(np.arange(count))
     return source.take(count, single_epoch=True)[0]
+
+
+PREFETCH_BATCHES = 2  # global batches read ahead per rank: one in use, the next ready; memory stays bounded
 
 
 class TrainBatches:
@@ -242,6 +208,12 @@ class TrainBatches:
     the r-th m rows of it. So each forward round sees the same rows for any W with the same m W: a single process
     with micro_batch = m W reproduces W ranks exactly, including alpha_ma, which is updated once per forward round
     from the mean over all ranks' rows.
+
+    Sources that hand out ids (`take_ids`: in-memory, prepared shards) are read rank-locally: every rank draws the
+    global batch's ids (cheap) and reads only its own rows. The others (hub streams, backcopy) produce the whole
+    global batch on every rank. Either way a background thread (prefetch.py) reads the next batches ahead; the
+    position saved in checkpoints is that after the last batch a step used. A prepared source's shards are
+    checksummed at the start, each rank a share of them (shard k by rank k mod W), so each shard is hashed once.
     """
 
     def __init__(self, source, global_batch: int, micro_batch: int, rank: int, world: int):
@@ -252,15 +224,31 @@ class TrainBatches:
         rounds = global_batch // (micro_batch * world)
         self.rows = torch.tensor([i * micro_batch * world + rank * micro_batch + j
                                   for i in range(rounds) for j in range(micro_batch)])
+        if hasattr(source, "verify"):
+            source.verify(range(rank, len(source.maps), world))
+        self.prefetch = Prefetcher(self._read, source.state_dict, depth=PREFETCH_BATCHES)
+
+    def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if hasattr(self.source, "take_ids"):
+            ids = self.source.take_ids(self.global_batch)[self.rows.numpy()]
+            return self.source.rows(ids), torch.from_numpy(ids)
+        tokens, ids = self.source.take(self.global_batch)
+        return tokens[self.rows], ids[self.rows]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the next global batch, micro-batch after micro-batch: tokens (L, T + 1) int64 and
         sequence ids (L,) int64, L = global_batch / ranks."""
-        tokens, ids = self.source.take(self.global_batch)
-        return tokens[self.rows], ids[self.rows]
+        return self.prefetch.next()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.source.state_dict()
+        return self.prefetch.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.prefetch.close()
         self.source.load_state_dict(state)
+        self.prefetch.reset()
+
+    def close(self) -> None:
+        """Stop reading ahead and put the source back at the position of the batches used."""
+        self.prefetch.close()
+        self.source.load_state_dict(self.prefetch.state_dict())

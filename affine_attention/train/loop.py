@@ -70,7 +70,9 @@ class Trainer:
             self.lock = RunLock(self.out_dir)
 
     def close(self) -> None:
-        """Give the run folder back (`run` does it however it ends)."""
+        """Give the run folder back and stop reading data ahead (`run` does it however it ends)."""
+        if getattr(self, "batches", None) is not None:
+            self.batches.close()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
