@@ -5,17 +5,19 @@ data.separator names another token), and the documents are concatenated into one
 stream[i*T : i*T + T + 1] (T = seq_len): its first T tokens are the inputs and its last T the targets, so
 consecutive sequences share one token and every stream token after the first is predicted exactly once. Attention is not blocked at separators (standard packing).
 
-Two kinds of source:
+Three kinds of source:
 - in memory (`corpus`, `files`): the whole stream is tokenised once (cached as an .npy keyed by the tokenizer
   and a hash of the text), cut into a fixed list of sequences, and each epoch visits them in a permutation drawn
-  from (seed, epoch). The position is a single integer: sequences consumed so far.
+  from (seed, epoch) (packed.py). The position is a single integer: sequences consumed so far.
+- prepared (`tokens`: a folder written by `affine-attention prepare-data`, shards.py): the same, read from
+  memory-mapped token shards, so nothing is tokenised or held in memory at training time.
 - streamed (`hub`: a `datasets` hub name or builder, read with streaming=True): documents in source order, no
   shuffling; the position is (epoch, documents consumed, unemitted tokens, sequences emitted in the epoch), and a
   resume skips the consumed documents. Each epoch starts from an empty buffer, so every epoch yields the same
-  sequences.
+  sequences. Under several ranks each rank streams its own documents (TrainBatches).
 Every sequence has an id (its index in the fixed list, or its index within the epoch for streams): the KD teacher
-cache is keyed by it. All ranks read the same global batch and keep their own rows, so the data order and the
-result do not depend on the number of ranks.
+cache is keyed by it. Ranks read their own rows of one global batch (TrainBatches), so for every source but a
+rank-split stream the data order and the result do not depend on the number of ranks.
 """
 from __future__ import annotations
 
@@ -40,10 +42,11 @@ TOKENIZE_BATCH = 32  # documents per tokenizer call
 
 # --- documents -------------------------------------------------------------------------------------------------
 
-def documents(src: SourceConfig, skip: int = 0) -> Iterator[str]:
-    """The documents of a source in their fixed order, after skipping the first `skip` (see text.documents)."""
+def documents(src: SourceConfig, skip: int = 0, rank: int = 0, world: int = 1) -> Iterator[str]:
+    """The documents of a source in their fixed order, after skipping the first `skip` (see text.documents; a hub
+    stream with world > 1: only the documents of `rank`)."""
     return text_documents(src.kind, split=src.split, paths=src.paths, text_field=src.text_field, name=src.name,
-                          subset=src.subset, revision=src.revision, skip=skip)
+                          subset=src.subset, revision=src.revision, skip=skip, rank=rank, world=world)
 
 
 def separator_id(tok, separator: str = "") -> int:
@@ -100,19 +103,29 @@ def token_stream(src: SourceConfig, tok, cache_dir: str, sep: int) -> tuple[np.n
 # --- streamed sources ------------------------------------------------------------------------------------------
 
 class PackedStream:
-    """Packed sequences from a streamed source, in source order; resumable from (epoch, docs, buffer, seq)."""
+    """Packed sequences from a streamed source, in source order; resumable from (epoch, docs, buffer, seq).
+
+    Split by rank (`split_by_rank`, TrainBatches does it under torchrun), each rank reads and packs only its own
+    documents, and sequence s of rank r in an epoch gets the id s W + r, unique over the ranks for the KD cache."""
 
     def __init__(self, src: SourceConfig, tok, seq_len: int, sep: int):
         self.src, self.tok, self.T, self.sep = src, tok, seq_len, sep
-        self.key = hashlib.sha256(json.dumps({"src": source_identity(src), "tok": tokenizer_fingerprint(tok),
-                                              "sep": sep}, sort_keys=True).encode()).hexdigest()
+        self.split_by_rank(0, 1)
+
+    def split_by_rank(self, rank: int, world: int) -> None:
+        """Read only the documents of `rank` out of `world` ranks, from the start of the stream."""
+        self.rank, self.world = rank, world
+        ident = {"src": source_identity(self.src), "tok": tokenizer_fingerprint(self.tok), "sep": self.sep}
+        if world > 1:  # the ids and sequences depend on the number of ranks
+            ident["world"] = world
+        self.key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
         self._state = {"epoch": 0, "docs": 0, "buffer": [], "seq": 0}
         self._docs: Iterator[str] | None = None
 
     def _fill(self) -> bool:
         """Tokenise the next documents into the buffer; False when the epoch's documents are exhausted."""
         if self._docs is None:
-            self._docs = documents(self.src, skip=self._state["docs"])
+            self._docs = documents(self.src, skip=self._state["docs"], rank=self.rank, world=self.world)
         batch = []
         for doc in self._docs:
             batch.append(doc)
@@ -130,7 +143,7 @@ class PackedStream:
         while len(rows) < count:
             if len(s["buffer"]) >= self.T + 1:
                 rows.append(s["buffer"][: self.T + 1])
-                ids.append(s["seq"])
+                ids.append(s["seq"] * self.world + self.rank)
                 del s["buffer"][: self.T]  # the last token starts the next sequence
                 s["seq"] += 1
                 continue
@@ -210,10 +223,11 @@ class TrainBatches:
     from the mean over all ranks' rows.
 
     Sources that hand out ids (`take_ids`: in-memory, prepared shards) are read rank-locally: every rank draws the
-    global batch's ids (cheap) and reads only its own rows. The others (hub streams, backcopy) produce the whole
-    global batch on every rank. Either way a background thread (prefetch.py) reads the next batches ahead; the
-    position saved in checkpoints is that after the last batch a step used. A prepared source's shards are
-    checksummed at the start, each rank a share of them (shard k by rank k mod W), so each shard is hashed once.
+    global batch's ids (cheap) and reads only its own rows. A hub stream under W > 1 ranks is split by rank instead
+    (each rank streams, tokenises and packs only its own documents, so its batches depend on W, and a checkpoint
+    holds every rank's position); backcopy produces the whole global batch on every rank. A background thread
+    (prefetch.py) reads the next batches ahead; the position saved is that after the last batch a step used. A
+    prepared source's shards are checksummed at the start, each rank a share (shard k by rank k mod W).
     """
 
     def __init__(self, source, global_batch: int, micro_batch: int, rank: int, world: int):
@@ -224,11 +238,16 @@ class TrainBatches:
         rounds = global_batch // (micro_batch * world)
         self.rows = torch.tensor([i * micro_batch * world + rank * micro_batch + j
                                   for i in range(rounds) for j in range(micro_batch)])
+        self.rank_split = world > 1 and hasattr(source, "split_by_rank")
+        if self.rank_split:
+            source.split_by_rank(rank, world)
         if hasattr(source, "verify"):
             source.verify(range(rank, len(source.maps), world))
         self.prefetch = Prefetcher(self._read, source.state_dict, depth=PREFETCH_BATCHES)
 
     def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rank_split:
+            return self.source.take(self.global_batch // self.world)
         if hasattr(self.source, "take_ids"):
             ids = self.source.take_ids(self.global_batch)[self.rows.numpy()]
             return self.source.rows(ids), torch.from_numpy(ids)
@@ -241,9 +260,24 @@ class TrainBatches:
         return self.prefetch.next()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.prefetch.state_dict()
+        """The position after the batches used; a rank-split stream gathers every rank's (a collective: call it on
+        every rank)."""
+        state = self.prefetch.state_dict()
+        if not self.rank_split:
+            return state
+        import torch.distributed as dist
+
+        states: list[Any] = [None] * self.world
+        dist.all_gather_object(states, state)
+        return {"kind": "ranks", "world": self.world, "ranks": states}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") == "ranks" or self.rank_split:
+            if state.get("kind") != "ranks" or state.get("world") != self.world:
+                raise ValueError(f"the checkpoint's data position was saved by {state.get('world', 1)} rank(s) and "
+                                 f"this run has {self.world}: a hub stream is split by rank, so resume with the same "
+                                 "number of ranks (or prepare the data with `affine-attention prepare-data`)")
+            state = state["ranks"][self.rank]
         self.prefetch.close()
         self.source.load_state_dict(state)
         self.prefetch.reset()
