@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .._files import atomic_write_bytes, atomic_write_json, read_json
-from .data import PackedArray
+from .packed import PackedArray
 from .pretrained import tokenizer_fingerprint
 
 FORMAT = 1
