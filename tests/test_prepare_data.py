@@ -222,3 +222,12 @@ def test_two_ranks_on_prepared_shards_follow_the_single_process_run(tiny, tmp_pa
     one, two = (read_records(tmp_path / d / "metrics.jsonl") for d in ("one", "two"))
     assert [r["step"] for r in two] == [1, 2, 3]
     assert all(abs(a["loss"] - b["loss"]) <= 1e-5 for a, b in zip(one, two))
+
+
+def test_the_embedded_corpus_prepares_offline(tok, tmp_path):
+    from affine_attention.train.data import eval_sequences
+
+    cfg = load_config("tiny", [f"data.token_cache_dir='{tmp_path / 'cache'}'"])
+    prepare(cfg, tmp_path / "val", which="eval", log=lambda m: None)  # the 4 held-out works: one shard
+    got = eval_sequences(SourceConfig(kind="tokens", paths=[str(tmp_path / "val")]), tok, cfg.data, 64)
+    assert torch.equal(got, eval_sequences(cfg.data.eval, tok, cfg.data, 64))
