@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -91,7 +92,9 @@ def test_a_saved_cursor_resumes_exactly(tok, prepared):
     whole = [full.next() for _ in range(5)]
     first = TrainBatches(_tokens(prepared, tok, seed=2), 8, 4, 0, 1)
     part = [first.next() for _ in range(2)]
-    state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint stores, although 2 more are read ahead
+    while first.prefetch._queue.qsize() < 2:  # let the thread read 2 batches ahead, as it does during a step
+        time.sleep(0.01)
+    state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint stores
     first.close()
     assert state["kind"] == "tokens" and state["position"] == 16
     resumed = TrainBatches(_tokens(prepared, tok, seed=2), 8, 4, 0, 1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from affine_attention.train.config import SourceConfig
-from affine_attention.train.data import PackedStream, TrainBatches, documents
+from affine_attention.train.data import PackedStream, TrainBatches, documents, tokenize_documents
 from test_train_helpers import read_records, sets, tiny  # noqa: F401  (fixture)
 
 
@@ -23,7 +23,7 @@ def tok():
 @pytest.fixture(scope="module")
 def hub_src(tmp_path_factory):
     path = tmp_path_factory.mktemp("docs") / "docs.jsonl"
-    docs = [f"Document {i}. " + "Now is the winter of our discontent. " * (1 + i % 4) for i in range(30)]
+    docs = [f"Document {i}. " + "Now is the winter of our discontent. " * (1 + i % 4) for i in range(100)]  # > 32 (one read) per rank
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     return SourceConfig(kind="hub", name="json", paths=[str(path)], split="train"), docs  # streamed, offline
 
@@ -36,7 +36,10 @@ def test_each_rank_streams_its_own_documents_with_ids_unique_over_ranks(tok, hub
     for rank in range(2):
         stream = PackedStream(src, tok, 16, tok.eos_token_id)
         stream.split_by_rank(rank, 2)
-        ids.append(stream.take(6)[1].tolist())
+        rows, got = stream.take(6)
+        ids.append(got.tolist())
+        own = [t for x in tokenize_documents(tok, mine[rank], tok.eos_token_id) for t in x]
+        assert rows[:, :-1].flatten().tolist() == own[:6 * 16]  # packed from this rank's documents only
     assert ids == [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11]]
 
 
@@ -48,13 +51,14 @@ def test_a_rank_resumes_its_own_stream_exactly(tok, hub_src):
         stream.split_by_rank(1, 2)
         return stream
 
-    whole = rank1().take(12)[0]
+    whole = rank1().take(100)[0]
     first = rank1()
-    part = first.take(5)[0]
+    part = first.take(20)[0]
     state = json.loads(json.dumps(first.state_dict()))
+    assert state["docs"] == 32 and state["buffer"]  # mid-stream: the next documents are still to be read
     resumed = rank1()
     resumed.load_state_dict(state)
-    assert torch.equal(torch.cat([part, resumed.take(7)[0]]), whole)
+    assert torch.equal(torch.cat([part, resumed.take(80)[0]]), whole)
 
 
 def test_a_position_saved_by_other_ranks_is_refused(tok, hub_src):

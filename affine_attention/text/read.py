@@ -3,6 +3,7 @@ the packaged corpus, in a fixed order; bad input raises ValueError naming the fi
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import sys
@@ -95,8 +96,10 @@ def _hub_documents(name: str, *, subset: str = "", split: str = "train", revisio
     ds = load_dataset(name, subset or None, **kwargs)
     if world > 1:  # whole files per rank when their number divides by the ranks, else every world-th document
         ds = split_dataset_by_node(ds, rank=rank, world_size=world)
-    if skip:
+    if skip and world == 1:
         ds = ds.skip(skip)
+    elif skip:  # datasets applies .skip before the split by node: it would count every rank's documents
+        ds = itertools.islice(ds, skip, None)
     for ex in ds:
         if text_field not in ex:
             raise ValueError(f"dataset {name!r} has no field {text_field!r}; fields: {sorted(ex)}")
