@@ -18,24 +18,15 @@ from affine_attention.train.data import TrainBatches, open_source
 from affine_attention.train.prefetch import Prefetcher
 from affine_attention.train.prepare import prepare
 from affine_attention.train.shards import TokenSource
-from test_train_helpers import read_records, sets, tiny  # noqa: F401  (fixture)
+from test_train_helpers import read_records, sets, tiny, tok, write_jsonl  # noqa: F401  (fixtures)
 
 SHARD_DOCS = 7  # 40 documents -> 6 shards, so some sequences span two shards
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from affine_attention.train.pretrained import load_tokenizer
-
-    return load_tokenizer("default")
-
-
-@pytest.fixture(scope="module")
 def docs_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("docs") / "docs.jsonl"
     docs = [f"Document number {i}. " + "To be or not to be, that is the question. " * (2 + i % 7) for i in range(40)]
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return path
+    return write_jsonl(tmp_path_factory.mktemp("docs") / "docs.jsonl", docs)
 
 
 def _cfg(docs_file, *extra):

@@ -10,21 +10,13 @@ import torch
 
 from affine_attention.train.config import SourceConfig
 from affine_attention.train.data import PackedStream, TrainBatches, documents, tokenize_documents
-from test_train_helpers import read_records, sets, tiny  # noqa: F401  (fixture)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from affine_attention.train.pretrained import load_tokenizer
-
-    return load_tokenizer("default")
+from test_train_helpers import read_records, sets, tiny, tok, write_jsonl  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(scope="module")
 def hub_src(tmp_path_factory):
-    path = tmp_path_factory.mktemp("docs") / "docs.jsonl"
-    docs = [f"Document {i}. " + "Now is the winter of our discontent. " * (1 + i % 4) for i in range(100)]  # > 32 (one read) per rank
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    docs = [f"Document {i}. " + "Now is the winter of our discontent. " * (1 + i % 4) for i in range(100)]
+    path = write_jsonl(tmp_path_factory.mktemp("docs") / "docs.jsonl", docs)  # > 32 documents (one read) per rank
     return SourceConfig(kind="hub", name="json", paths=[str(path)], split="train"), docs  # streamed, offline
 
 
