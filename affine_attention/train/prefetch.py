@@ -15,7 +15,7 @@ _POLL_S = 0.1  # how often a blocked producer looks at the stop flag
 class Prefetcher:
     """Calls `produce()` ahead in a daemon thread, keeping up to `depth` results queued; `next()` returns them in
     order. `state()` is the source's state_dict taken right after each produce, so `state_dict()` is the position
-    after the last batch returned by `next()` (or `initial` before the first)."""
+    after the last batch returned by `next()` (before the first: the state when it was built or `reset`)."""
 
     def __init__(self, produce: Callable[[], Any], state: Callable[[], dict[str, Any]], depth: int = 2):
         self.produce, self.state, self.depth = produce, state, depth

@@ -32,8 +32,8 @@ def _init(spec: str, sep: int, dtype: str) -> None:
 def _tokenize(docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """tokens (N,) in the shard dtype (every document followed by the separator) and lengths (len(docs),) int64."""
     ids = tokenize_documents(_worker["tok"], docs, _worker["sep"])
-    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-    return np.fromiter((t for x in ids for t in x), dtype=_worker["dtype"], count=int(lengths.sum())), lengths
+    lengths = np.asarray([len(x) for x in ids], dtype=np.int64)
+    return np.concatenate([np.asarray(x, dtype=_worker["dtype"]) for x in ids]), lengths
 
 
 def document_count(src) -> int | None:
@@ -180,8 +180,8 @@ def prepare(cfg: RunConfig, out: str | Path, *, which: str = "train", workers: i
     parts: list[tuple[np.ndarray, np.ndarray]] = []
 
     def flush(k: int) -> None:
-        tokens = np.concatenate([t for t, _ in parts]) if parts else np.zeros(0, dtype)
-        ends = np.cumsum(np.concatenate([n for _, n in parts])) if parts else np.zeros(0, np.int64)
+        tokens = np.concatenate([t for t, _ in parts])
+        ends = np.cumsum(np.concatenate([n for _, n in parts]))
         manifest["shards"].append(write_shard(out, k, tokens, ends))
         write_manifest(out, manifest)  # after the shard: a manifest never lists a shard that is not on disk
         parts.clear()
