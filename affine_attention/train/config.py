@@ -180,7 +180,7 @@ class DataConfig:
     # signal, also for the KD teacher). Off by default: the paper describes plain concatenate-and-chunk packing, and
     # the presets compare variants on that setting; turn it on for padding-free per-document training.
     document_mask: bool = False
-    shuffle: bool = True  # corpus and files sources: reshuffle packed sequences every epoch (hub streams keep order)
+    shuffle: bool = True  # corpus, files, tokens: reshuffle packed sequences every epoch (hub streams keep order)
     train: SourceConfig = field(default_factory=SourceConfig)
     eval: SourceConfig = field(default_factory=lambda: SourceConfig(split="validation"))
     eval_sequences: int = count(32, ge=1)  # held-out sequences (the first ones of the eval source, in order)
