@@ -122,6 +122,16 @@ def test_an_interrupted_preparation_keeps_its_finished_shards_and_continues(docs
         prepare(_cfg(docs_file), out, shard_documents=5, log=lambda m: None)
 
 
+def test_a_hub_stream_prepares_to_the_same_shards(docs_file, prepared, tmp_path):
+    cfg = load_config("tiny", ["data.train.kind='hub'", "data.train.name='json'", f"data.train.paths=['{docs_file}']",
+                               "data.seq_len=16"])  # datasets' json builder, streamed offline: the hub code path
+    said = []
+    manifest = prepare(cfg, tmp_path / "hub", shard_documents=SHARD_DOCS, log=said.append)
+    files = json.loads((prepared / "manifest.json").read_text())
+    assert [s["file"]["sha256"] for s in manifest["shards"]] == [s["file"]["sha256"] for s in files["shards"]]
+    assert manifest["source"]["kind"] == "hub" and any("6 shards" in m for m in said)
+
+
 def test_a_different_tokenizer_or_separator_is_refused_naming_the_manifest(tok, prepared):
     from affine_attention.train.pretrained import load_tokenizer
 
