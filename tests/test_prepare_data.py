@@ -233,5 +233,8 @@ def test_the_embedded_corpus_prepares_offline(tok, tmp_path):
 
     cfg = load_config("tiny", [f"data.token_cache_dir='{tmp_path / 'cache'}'"])
     prepare(cfg, tmp_path / "val", which="eval", log=lambda m: None)  # the 4 held-out works: one shard
-    got = eval_sequences(SourceConfig(kind="tokens", paths=[str(tmp_path / "val")]), tok, cfg.data, 64)
-    assert torch.equal(got, eval_sequences(cfg.data.eval, tok, cfg.data, 64))
+    n = open_source(cfg.data.eval, tok, cfg.data, 0, shuffle=False).n  # every sequence, not just the first work's
+    got = eval_sequences(SourceConfig(kind="tokens", paths=[str(tmp_path / "val")]), tok, cfg.data, n)
+    assert torch.equal(got, eval_sequences(cfg.data.eval, tok, cfg.data, n))
+    with pytest.raises(ValueError, match="holds only"):
+        eval_sequences(SourceConfig(kind="tokens", paths=[str(tmp_path / "val")]), tok, cfg.data, n + 1)
