@@ -45,6 +45,20 @@ def tiny(tmp_path) -> list[str]:
     return tiny_overrides(tmp_path)
 
 
+@pytest.fixture(scope="module")
+def tok():
+    """The packaged 4096-token tokenizer, as training loads it."""
+    from affine_attention.train.pretrained import load_tokenizer
+
+    return load_tokenizer("default")
+
+
+def write_jsonl(path: Path, docs: list[str]) -> Path:
+    """A JSON Lines file with one {"text": doc} object per document."""
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
 def read_records(path: Path, kind: str = "train") -> list[dict]:
     return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r.get("kind") == kind]
 

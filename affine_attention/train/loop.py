@@ -70,7 +70,9 @@ class Trainer:
             self.lock = RunLock(self.out_dir)
 
     def close(self) -> None:
-        """Give the run folder back (`run` does it however it ends)."""
+        """Give the run folder back and stop reading data ahead (`run` does it however it ends)."""
+        if getattr(self, "batches", None) is not None:
+            self.batches.close()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -264,8 +266,9 @@ class Trainer:
         if self.teacher is not None:
             self.teacher.flush()
         msd, osd = full_state(self.model, self.optimizer)
+        data = self.batches.state_dict()  # on every rank: a rank-split stream gathers its ranks' positions
         if self.info.is_main:
-            state = {"step": step, "data": self.batches.state_dict(), "wall_time": self.wall0 + time.time() - self.t_seg,
+            state = {"step": step, "data": data, "wall_time": self.wall0 + time.time() - self.t_seg,
                      "tokens": self.tokens_seen, "config": self.cfg.to_dict(), "variant": self.variant,
                      "world_size": self.info.world}
             target = self.out_dir / "final" if final else self.out_dir / "checkpoints" / ckpt.step_name(step)
