@@ -19,7 +19,7 @@ VERSION_SENSITIVE = frozenset({
     "test_no_txs.py", "test_ops_errors.py", "test_ops_numerics.py", "test_ops_properties.py", "test_packing.py",
     "test_retrofit.py", "test_running_stats.py", "test_running_stats_protocol.py", "test_segment_sums.py",
     "test_stats_distributed.py", "test_train_checkpoint.py", "test_train_distributed.py", "test_train_kd.py",
-    "test_train_resume.py", "test_triton_kernels.py", "test_variants.py", "test_variants_distributed.py",
+    "test_train_resume.py", "test_triton_kernels.py", "test_user_paths.py", "test_variants.py", "test_variants_distributed.py",
 })
 
 # Python logic over results (metrics, reports, plots, claims, configs, CLI wording, data packing, run folders, the

@@ -25,7 +25,7 @@ from transformers.utils import is_tracing  # noqa: E402
 from ..ops.masks import Varlen, parse_mask  # noqa: E402
 from . import cache as value_cache  # noqa: E402
 from . import packing  # noqa: E402
-from .families import HONOURED_KWARGS, INERT_KWARGS, family_of_config  # noqa: E402
+from .families import HONOURED_KWARGS, INERT_KWARGS, REQUIRED_VALUES, family_of_config  # noqa: E402
 
 ATTN_IMPLEMENTATION = "affine_attention"
 # Keyword arguments the attention module's pre-hook adds; transformers forwards them to `attention_forward`.
@@ -34,7 +34,7 @@ CACHE_KWARG = "affine_attention_cache"
 TRUSTED_KWARG = "affine_attention_cache_trusted"
 KV_TRUSTED_KWARG = "affine_attention_cache_kv_trusted"
 # Every keyword `attention_forward` reads or may ignore; any other is refused (see `_check_kwargs`).
-_KNOWN_KWARGS = frozenset(HONOURED_KWARGS) | INERT_KWARGS | {
+_KNOWN_KWARGS = frozenset(HONOURED_KWARGS) | frozenset(INERT_KWARGS) | {
     X_KWARG, CACHE_KWARG, TRUSTED_KWARG, KV_TRUSTED_KWARG, packing.FORWARD_KWARG, packing.DOCS_KWARG}
 
 
@@ -131,18 +131,55 @@ def _varlen(kwargs: dict[str, Any]) -> Varlen | None:
     return Varlen(cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k)
 
 
+def _family_name(module: nn.Module) -> str:
+    try:
+        return family_of_config(module.config).name
+    except (AttributeError, ValueError):
+        return type(module).__name__
+
+
 def _check_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:
     """A keyword this seam does not implement would otherwise be dropped silently (as Gemma 2's softcap once was):
-    refuse it, naming it and the family, whatever its value (an inert-looking None today may carry math tomorrow)."""
+    refuse it, naming it and the family, whatever its value (an inert-looking None today may carry math tomorrow).
+    The rule is families.py's (HONOURED_KWARGS, INERT_KWARGS, REQUIRED_VALUES)."""
     unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
     if unknown:
-        try:
-            family = family_of_config(module.config).name
-        except (AttributeError, ValueError):
-            family = type(module).__name__
-        raise ValueError(f"the {family} attention ({type(module).__name__}) passes {unknown} to its attention "
-                         f"function, which affine_attention does not implement; computing without them would "
-                         f"silently change the model (implemented: {sorted(HONOURED_KWARGS)})")
+        raise ValueError(f"the {_family_name(module)} attention ({type(module).__name__}) passes {unknown} to its "
+                         f"attention function, which affine_attention does not implement; computing without them "
+                         f"would silently change the model (implemented: {sorted(HONOURED_KWARGS)}; known inert: "
+                         f"{sorted(INERT_KWARGS)})")
+    for name, (allowed, why) in REQUIRED_VALUES.items():
+        value = kwargs.get(name)
+        if value is not None and value != allowed:
+            raise ValueError(f"{name}={value!r} reached the {_family_name(module)} attention: {why}")
+    # Packed boundaries are read by the packing hook, which acts only without an attention mask and a cache; keys
+    # that arrive anyway (beside a mask, or during generation) would otherwise be dropped.
+    if kwargs.get(packing.DOCS_KWARG) is None:
+        given = sorted(k for k in packing.BOUNDARY_KWARGS if kwargs.get(k) is not None)
+        if given:
+            raise ValueError(f"{given} (packed sequence boundaries) came with an attention mask or a cache; "
+                             "affine_attention reads packed boundaries only from a padding-free batch (no "
+                             "attention_mask, use_cache=False), as DataCollatorWithFlattening and trl's padding-free "
+                             "collator produce it: drop the attention mask, or the boundary keys")
+
+
+def unclassified_kwargs() -> list[str]:
+    """The forward keywords the installed transformers declares (TransformersKwargs, FlashAttentionKwargs) or that
+    its generate() hands every forward (the objects it pops as generation-mode arguments), which the seam's rule
+    (families.py) does not classify: each would be refused at the first forward that carries it."""
+    from transformers.generation.utils import GenerationMixin
+    from transformers.modeling_flash_attention_utils import FlashAttentionKwargs
+    from transformers.utils.generic import TransformersKwargs
+
+    class _Recorder(dict):  # records the names generate() pops as its own, generation-mode, keywords
+        def pop(self, name, default=None):
+            popped.add(name)
+            return default
+
+    popped: set[str] = set()
+    GenerationMixin._extract_generation_mode_kwargs(None, None, _Recorder(), False, None, None)
+    declared = set(TransformersKwargs.__annotations__) | set(FlashAttentionKwargs.__annotations__) | popped
+    return sorted(declared - _KNOWN_KWARGS)
 
 
 def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,

@@ -11,8 +11,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-# Keywords a transformers attention module may hand its attention function, beyond (q, k, v, mask), that the seam
-# (hf/attention.py) honours exactly: anything else is refused with a ValueError naming it and the family.
+# The keyword rule of the seam (hf/attention.py): every keyword that reaches a model's attention function beyond
+# (q, k, v, mask) is either honoured (its meaning implemented, below) or known inert for attention (INERT_KWARGS);
+# anything else is refused with a ValueError naming it and the family. What reaches it is whatever the decoder's
+# **kwargs carry: transformers' declared forward keywords (TransformersKwargs, FlashAttentionKwargs), the objects
+# generate() hands forward through its model_kwargs, and what trainers' collators put in a batch.
+# `hf.attention.unclassified_kwargs()` lists the installed transformers' declared keywords that neither table
+# classifies (a test keeps it empty), so a new transformers keyword is classified here before a model meets it.
 HONOURED_KWARGS = {
     "scaling": "the score scale (query_pre_attn_scalar, attention multipliers)",
     "dropout": "attention dropout, which must be 0",
@@ -21,13 +26,31 @@ HONOURED_KWARGS = {
     "s_aux": "the model's learned sink logits, kept under every variant that accepts them",
     "cu_seq_lens_q": "packed documents (varlen)", "cu_seq_lens_k": "packed documents (varlen)",
     "max_length_q": "packed documents (varlen)", "max_length_k": "packed documents (varlen)",
+    "seq_idx": "packed documents: each token's document id (trl's padding-free collator)",
+    "is_causal": "causal attention (True); bidirectional (False) is refused",
+    "output_attentions": "returning attention weights (False); True is refused",
 }
-# Keywords that travel through the decoder's **kwargs and do not enter the attention math: RoPE (and NoPE layers)
-# was applied to q and k before the call, the cache has been updated, router logits belong to the MoE MLP and the
-# Trainer's token count to the loss.
-INERT_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_router_logits", "position_embeddings",
-                          "num_items_in_batch"})
-
+# Honoured keywords whose other values the seam does not implement: None or the value named here passes, any other
+# value is refused with the reason.
+REQUIRED_VALUES = {
+    "is_causal": (True, "bidirectional attention (is_causal=False) is not implemented by affine_attention; "
+                        "its variants are causal"),
+    "output_attentions": (False, "affine_attention's kernels never materialise attention weights; capture them with "
+                                 "affine_attention.analysis.capture.AttentionRecorder (or `affine-attention analyze`)"),
+}
+# Keywords that travel through the decoder's **kwargs and do not enter the attention math, each with why.
+INERT_KWARGS = {
+    "position_ids": "RoPE was applied to q and k before the call; packing restarts are read by the packing hook",
+    "cache_position": "the cache was updated before the call",
+    "use_cache": "the cache was updated before the call",
+    "position_embeddings": "RoPE was applied to q and k before the call",
+    "output_router_logits": "router logits belong to the MoE MLP",
+    "output_hidden_states": "hidden states are recorded around the decoder layers",
+    "num_items_in_batch": "the Trainer's token count, for the loss",
+    # generate() pops these from its own kwargs and passes them on to every forward with the model_kwargs
+    "tokenizer": "generate()'s tokenizer (stop_strings, token healing)",
+    "assistant_tokenizer": "generate()'s assistant tokenizer (assisted decoding)",
+}
 
 def _tiny(**extra) -> dict[str, Any]:
     """A tiny test model (hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 128); `extra` adds family keys."""

@@ -3,7 +3,8 @@ variants `document_ids`, so attention runs on the structured fast paths instead 
 
 transformers treats a batch as packed when `position_ids` restart inside a row while there is no attention mask and
 no cache (`masking_utils.find_packed_sequence_indices`); `DataCollatorWithFlattening` produces exactly that, plus
-`cu_seq_lens_q/k` when asked for FlashAttention kwargs. A forward pre-hook on the decoder stack applies the same
+`cu_seq_lens_q/k` when asked for FlashAttention kwargs, and trl's padding-free collator adds `seq_idx` (each token's
+document id) as well. A forward pre-hook on the decoder stack applies the same
 rule: it derives document ids (B, T) and passes them on as a keyword that transformers forwards to every attention
 call, and replaces the missing mask by an all-ones padding mask so transformers never materialises the dense
 block-diagonal mask that the variants would ignore.
@@ -22,6 +23,9 @@ DOCS_KWARG = "affine_attention_document_ids"
 # layer kind's parsed mask, so masks are parsed and checked once per forward (hf/attention.py `_layer_mask`).
 FORWARD_KWARG = "affine_attention_forward_masks"
 _HOOK_ATTR = "_affine_attention_packing_hook"
+# Keywords that carry packed sequence boundaries; the seam refuses them where this hook did not turn them into
+# document ids (beside an attention mask or a cache), rather than drop them.
+BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 
 
 def documents_from_cu_seqlens(cu_seqlens: Tensor, T: int) -> Tensor:
@@ -35,6 +39,15 @@ def documents_from_cu_seqlens(cu_seqlens: Tensor, T: int) -> Tensor:
                          "cu_seq_lens of this batch (one flattened row)")
     pos = torch.arange(T, device=cu_seqlens.device)
     return (torch.searchsorted(cu_seqlens[1:-1].to(pos.dtype), pos, right=True))[None]
+
+
+def _check_same_boundaries(seq_idx: Tensor, docs: Tensor) -> None:
+    """cu_seq_lens and seq_idx given together (trl's padding-free collator) must describe the same documents."""
+    if is_tracing(seq_idx):
+        return
+    if seq_idx.shape != docs.shape or not torch.equal(seq_idx[:, 1:] != seq_idx[:, :-1], docs[:, 1:] != docs[:, :-1]):
+        raise ValueError("seq_idx and cu_seq_lens_k describe different packed documents; pass the boundaries of "
+                         "this batch (or only one of them)")
 
 
 def _will_have_cache(decoder: nn.Module, kwargs: dict[str, Any]) -> bool:
@@ -60,11 +73,15 @@ def detect_packing(decoder: nn.Module, args: tuple, kwargs: dict[str, Any]):
     if ref is None:
         return args, kwargs
     B, T = ref.shape[0], ref.shape[1]
-    cu = kwargs.get("cu_seq_lens_k")
+    cu, seq_idx = kwargs.get("cu_seq_lens_k"), kwargs.get("seq_idx")
     if cu is not None:
         if B != 1:
             raise ValueError(f"cu_seq_lens_k describes one flattened row, but the batch has {B} rows")
         docs = documents_from_cu_seqlens(cu, T)
+        if seq_idx is not None:
+            _check_same_boundaries(seq_idx, docs)
+    elif seq_idx is not None:
+        docs = seq_idx  # each token's document id, exactly as given (the ops check its shape, type and order)
     elif kwargs.get("position_ids") is not None:
         # transformers' own rule (a position that does not continue the previous one starts a document), so the
         # two can never disagree; None: positions never restart, not packed.

@@ -1,0 +1,113 @@
+"""What users combine a converted model with, driven for real: generate with a tokenizer (stop strings), trl's
+SFTTrainer with packing (padding-free: seq_idx and cu_seq_lens), and the seam's keyword rule behind them."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_hf_common import perturb, tiny
+
+import affine_attention
+from affine_attention.hf import packing
+from affine_attention.hf.attention import unclassified_kwargs
+from affine_attention.text.corpus import corpus_texts, default_tokenizer
+
+LENGTHS = [5, 9, 1, 7]
+
+
+def test_every_keyword_transformers_declares_is_classified():
+    """TransformersKwargs, FlashAttentionKwargs and generate()'s own keywords of the installed transformers: each is
+    honoured or known inert, so none is refused the first time a user's tool passes it."""
+    assert unclassified_kwargs() == []
+
+
+def _converted_pair(seed: int = 3, **overrides):
+    """(unconverted, converted with function_preserving=True) tiny Llamas of the same weights."""
+    base = tiny("llama", seed=seed, **overrides)
+    return base, affine_attention.convert(copy.deepcopy(base), "affine", function_preserving=True)
+
+
+def test_generate_with_tokenizer_and_stop_strings_matches_unconverted():
+    tok = default_tokenizer()
+    base, converted = _converted_pair(vocab_size=len(tok))
+    ids = tok(["To be, or not to be, that is", "Friends, Romans, countrymen"], return_tensors="pt",
+              padding=True, padding_side="left")
+    runs = [m.generate(**ids, max_new_tokens=12, do_sample=False, tokenizer=tok, stop_strings=["the"],
+                       pad_token_id=tok.pad_token_id) for m in (base, converted)]
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
+
+
+def test_output_hidden_states_is_inert_and_refusals_name_their_reason():
+    base, converted = _converted_pair()
+    ids = torch.randint(3, 128, (2, 7))
+    with torch.no_grad():
+        ref, out = base(ids, output_hidden_states=True), converted(ids, output_hidden_states=True)
+    assert len(out.hidden_states) == len(ref.hidden_states)
+    torch.testing.assert_close(out.hidden_states[-1], ref.hidden_states[-1], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="never materialise attention weights"):
+        converted(ids, output_attentions=True)
+    with pytest.raises(ValueError, match="bidirectional"):
+        converted(ids, is_causal=False)
+    with pytest.raises(ValueError, match=r"\['not_a_keyword'\]"):
+        converted(ids, not_a_keyword=1)
+
+
+def _docs(seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=gen) for n in LENGTHS]
+
+
+def test_seq_idx_alone_carries_the_documents_exactly():
+    """seq_idx is honoured as document ids even where positions never restart (a collator that numbers positions
+    along the whole row): the packed row's logits equal each document run alone."""
+    model = tiny("llama", "affine", seed=4)
+    perturb(model)
+    docs = _docs()
+    seq_idx = torch.cat([torch.full((len(d),), i, dtype=torch.int32) for i, d in enumerate(docs)])[None]
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    with torch.no_grad():
+        packed = model(ids, position_ids=pos, seq_idx=seq_idx, use_cache=False).logits[0]
+        alone = torch.cat([model(d[None], use_cache=False).logits[0] for d in docs])
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+    # Beside an attention mask the packing hook does not act: the boundaries would be dropped, so they are refused.
+    with pytest.raises(ValueError, match="packed sequence boundaries"):
+        model(ids, attention_mask=torch.ones_like(ids), seq_idx=seq_idx, use_cache=False)
+    with pytest.raises(ValueError, match="describe different packed documents"):
+        model(ids, position_ids=pos, seq_idx=torch.zeros_like(seq_idx), use_cache=False,
+              cu_seq_lens_k=torch.tensor([0, 5, 14, 15, 22], dtype=torch.int32))
+
+
+def test_trl_sft_trainer_with_packing_matches_unconverted(tmp_path):
+    """trl's SFTTrainer with packing=True (best-fit packing, padding-free: the batch carries position_ids,
+    cu_seq_lens and seq_idx and no attention mask) trains the converted model; its first loss, before any update,
+    equals the unconverted model's on the same packed batch."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from affine_attention.hf.callbacks import RunningStatsCallback
+
+    tok = default_tokenizer()
+    base, converted = _converted_pair(seed=6, vocab_size=len(tok))
+    lines = [line for line in corpus_texts("train")[0].splitlines() if len(line.split()) > 3][:24]
+    data = Dataset.from_list([{"text": line} for line in lines])
+    seen = []
+
+    def losses(model, name):
+        args = trl.SFTConfig(output_dir=str(tmp_path / name), packing=True, max_length=64,
+                             per_device_train_batch_size=2, max_steps=2, learning_rate=1e-3, logging_steps=1,
+                             report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0)
+        trainer = trl.SFTTrainer(model=model.train(), args=args, train_dataset=data, processing_class=tok,
+                                 callbacks=[RunningStatsCallback()])
+        hook = model.model.register_forward_pre_hook(lambda m, a, kw: seen.append(set(kw)), with_kwargs=True)
+        trainer.train()
+        hook.remove()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    ref, out = losses(base, "base"), losses(converted, "converted")
+    # seen after the packing hook: trl's padding-free keys arrived and became document ids
+    assert {"seq_idx", "cu_seq_lens_k", "position_ids", packing.DOCS_KWARG} <= seen[-1]
+    assert len(out) == 2 and out[0] == pytest.approx(ref[0], rel=1e-5)
+    alpha_ma = torch.cat([b for n, b in converted.named_buffers() if n.endswith("alpha_ma")])
+    assert float(alpha_ma.abs().max()) > 0  # stepped by the callback
