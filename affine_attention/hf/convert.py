@@ -21,7 +21,7 @@ def convert(model: nn.Module, variant: str, *, function_preserving: bool = False
     function_preserving=True (a retrofit, for continued training of a pretrained model): the converted model computes
     what it computed before and every new parameter still receives gradient. Each variant starts in a state whose
     output is a constant c times softmax attention (affine: alpha_ma = phi(0), c = 0.5; gated: c = 0.5; both:
-    0.25; scaled_softmax: its scale; sink: a logit of -20, a negligible mass, c = 1) and 1 / c is folded into
+    0.25; scaled_softmax: its scale; sink: a logit of -40, a mass float32 rounds away, c = 1) and 1 / c is folded into
     `o_proj`. Keep the default False for from-scratch comparisons, which follow the paper's initialisation.
 
     Every existing weight keeps its name; the variant's parameters appear as

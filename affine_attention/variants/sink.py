@@ -20,11 +20,13 @@ class SinkOptions:
             raise ValueError(f"sink: option 'init' must be a finite logit, got {self.init}")
 
 
-# Sink logit of a function-preserving conversion. The sink takes sigmoid(s - lse) of each row's mass: 2e-9 at lse = 0,
-# but SmolLM2-135M has rows with lse near -10, so -20 changes its logits by up to 8.9e-4 (measured on 512 held-out
-# tokens; -15: 0.13, -25: 5.6e-5). Lower logits shrink the gradient (~ the sink's mass) below what one AdamW step
-# with eps = 1e-8 can move in float32 (-25 did not change in one step on the tiny test models): -20 is the trade.
-RETROFIT_SINK_LOGIT = -20.0
+# Sink logit of a function-preserving conversion. The sink scales each row by sigmoid(lse - s), which float32 rounds
+# to exactly 1 once lse - s > ~17; real models have rows far below lse = 0 (SmolLM2-135M: -21.6 on a chat prompt,
+# where -20 changed logits by 19 and -30 by 3e-3). -40 keeps SmolLM2 exact (0.0 on chat and plain text), while the
+# logit's gradient, ~ the sink's mass exp(s - lse), stays a finite nonzero float32 (1e-16 .. 6e-23 per layer there;
+# at -inf it would be 0 and the sink could never train). AdamW's step is lr * g / (|g| + eps): at the default
+# eps = 1e-8 it rounds away until the mass grows, so a sink meant to train from a retrofit wants a far smaller eps.
+RETROFIT_SINK_LOGIT = -40.0
 
 
 class SinkAttention(AttentionVariant):
