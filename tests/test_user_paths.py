@@ -3,6 +3,8 @@ SFTTrainer with packing (padding-free: seq_idx and cu_seq_lens), and the seam's 
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -111,3 +113,15 @@ def test_trl_sft_trainer_with_packing_matches_unconverted(tmp_path):
     assert len(out) == 2 and out[0] == pytest.approx(ref[0], rel=1e-5)
     alpha_ma = torch.cat([b for n, b in converted.named_buffers() if n.endswith("alpha_ma")])
     assert float(alpha_ma.abs().max()) > 0  # stepped by the callback
+
+
+def test_readme_peft_import_registers_without_a_warning():
+    """`from affine_attention import peft_config` is the package's first transformers import on the README's PEFT
+    path: it must register the converted model types quietly (it once warned they would not load, yet they did)."""
+    code = ("import warnings; warnings.simplefilter('error', RuntimeWarning)\n"
+            "from affine_attention import peft_config\n"
+            "from transformers import AutoConfig\n"
+            "print(type(AutoConfig.for_model('affine_llama')).__name__)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "will not load" not in done.stderr, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("Config")

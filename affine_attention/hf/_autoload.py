@@ -11,8 +11,10 @@ Why a one-shot import hook, the least bad option found (transformers 5.24):
 The hook touches nothing of transformers itself: it wraps transformers' own module loader for one call, removes
 itself before doing anything (so it runs once), and a failed registration warns instead of breaking
 `import transformers`. Where transformers is already imported, `install` registers at once and adds no hook. A
-module of this package that imports transformers first (hf.attention) removes the hook, then calls `register` at its
-end, once the modules hf.models needs are complete.
+module of this package that imports transformers first (hf.attention, or hf.packing on the way from hf.peft) removes
+the hook, then calls `register` at its end, once the modules hf.models needs are complete: registering from inside
+transformers' import would meet that module half-initialised (the spurious "converted checkpoints will not load"
+warning of `from affine_attention import peft_config`).
 """
 from __future__ import annotations
 
@@ -52,6 +54,11 @@ class _AfterTransformersImport(importlib.abc.MetaPathFinder):
 
 
 _FINDER = _AfterTransformersImport()
+
+
+def installed() -> bool:
+    """Whether the hook still waits for transformers (no module of this package has imported it yet)."""
+    return _FINDER in sys.meta_path
 
 
 def uninstall() -> None:
