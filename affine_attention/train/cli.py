@@ -13,8 +13,9 @@ def add_run_options(p: argparse.ArgumentParser, default: str = "tiny") -> None:
     """--config (default: `default`), --set, --out and --resume: shared by train and compare."""
     from .config_load import preset_names  # cheap: no torch
 
-    p.add_argument("--config", default=default, help=f"preset name ({', '.join(preset_names())}) or a TOML file; "
-                   f"default: {default}")
+    p.add_argument("--config", default=None, help=f"preset name ({', '.join(preset_names())}) or a TOML file; "
+                   f"default: {default}, or with --resume the run's own saved config")
+    p.set_defaults(default_config=default)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, e.g. --set train.steps=100 --set optim.lr=3e-4 (repeatable)")
     p.add_argument("--out", default=None, help="run folder (default: train.out_dir, else runs/<command>-<time>)")
@@ -55,10 +56,24 @@ def _out_dir(args, cfg, command: str) -> str:
     return os.path.join("runs", f"{command}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def _train(args) -> int:
-    from .config_load import load_config
+def run_config(args):
+    """The config of train / compare: --config (or the command's default) with --set applied; with --resume and no
+    --config, the run's own saved config with --set applied (run_dir.saved_config), so resuming needs no repeat of
+    the original flags. Either is then checked against the run's record (a different config is refused)."""
+    from pathlib import Path
 
-    cfg = load_config(args.config, args.overrides)
+    from .config_load import apply_overrides, config_from_dict, load_config
+
+    if args.resume and args.config is None and args.out:
+        from .run_dir import saved_config
+
+        return config_from_dict(apply_overrides(saved_config(Path(args.out)), list(args.overrides)),
+                                source=f"{args.out} (the run's saved config)")
+    return load_config(args.config or args.default_config, args.overrides)
+
+
+def _train(args) -> int:
+    cfg = run_config(args)
     if args.dry_run:
         from .config import Range
         from .dryrun import dry_run, format_dry_run
@@ -95,10 +110,9 @@ def _prepare(args) -> int:
 def run_compare(args) -> tuple[str, bool]:
     """Train and summarise every variant (`compare`); prints summary.md on rank 0. Returns (run folder, is rank 0)."""
     from .compare import compare
-    from .config_load import load_config
     from .distributed import teardown
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = run_config(args)
     out = _out_dir(args, cfg, "compare")
     compare(cfg, out, seeds=args.seeds, resume=args.resume, log=lambda m: print(m, file=sys.stderr, flush=True))
     teardown()  # only after a normal end (see teardown)

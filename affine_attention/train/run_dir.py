@@ -119,6 +119,26 @@ def logged_config(out_dir: Path) -> dict[str, Any]:
     return logged["config"]
 
 
+def saved_config(out_dir: Path) -> dict[str, Any]:
+    """The config the run in out_dir was started with, as a raw config dict that --set overrides apply to (the
+    default config of --resume): a comparison's config.json, else the run log's config record. A retrofit
+    (model.init_from) keeps only init_from and function_preserving of [model]: its architecture is the pretrained
+    model's, and the other [model] keys are the defaults a loaded config reports."""
+    compare_json = out_dir / "config.json"
+    if compare_json.is_file():
+        saved = read_json(compare_json, "pass --config (and --set) as the run was started")
+    elif (out_dir / "metrics.jsonl").is_file():
+        saved = logged_config(out_dir)
+    else:
+        raise ValueError(f"--resume: {out_dir} holds neither config.json nor metrics.jsonl, so the run's config is "
+                         "unknown; pass --out of a run started by train or compare, or pass --config (and --set) "
+                         "as the run was started")
+    model = saved.get("model", {})
+    if model.get("init_from"):
+        saved = {**saved, "model": {k: model[k] for k in ("init_from", "function_preserving") if k in model}}
+    return saved
+
+
 def keep_partial_log(out_dir: Path) -> Path:
     """Move the log of a run that starts over aside as metrics.restart-N.jsonl (and drop an empty checkpoints/);
     returns where it went."""
