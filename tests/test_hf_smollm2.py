@@ -39,6 +39,18 @@ def smollm():
     return model, tok, ids
 
 
+def test_converted_gguf_model_saves_and_reloads(smollm, tmp_path):
+    """The model exactly as transformers reads the GGUF (its quantizer attached): converting it makes a model that
+    save_pretrained writes (transformers refused: "quantized with gguf and is not serializable")."""
+    _, _, ids = smollm
+    gguf = AutoModelForCausalLM.from_pretrained(_gguf_dir(), gguf_file=GGUF, dtype=torch.float32).eval()
+    converted = affine_attention.convert(gguf, "affine", function_preserving=True)
+    converted.save_pretrained(tmp_path / "m")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids[:, :64]).logits, converted(ids[:, :64]).logits, rtol=0, atol=1e-5)
+
+
 def _nll(model, ids) -> float:
     with torch.no_grad():
         return float(model(ids, labels=ids).loss)

@@ -39,6 +39,7 @@ def convert(model: nn.Module, variant: str, *, function_preserving: bool = False
     if not isinstance(function_preserving, bool):
         raise ValueError(f"function_preserving must be True or False, got {function_preserving!r}")
     config_cls, model_cls = models.affine_classes(family, type(model))
+    _release_dequantised_gguf(model)
     if function_preserving:
         # A variant that cannot preserve the function says so before anything is attached.
         probe = build_variant(variant, layer_shape(model.config, attention_layers(model)[0]), **spec["options"])
@@ -57,6 +58,24 @@ def convert(model: nn.Module, variant: str, *, function_preserving: bool = False
     model.__class__ = model_cls
     model.config.auto_map = model_cls.hub_auto_map()
     return model
+
+
+def _release_dequantised_gguf(model: nn.Module) -> None:
+    """A model read from a GGUF file keeps transformers' GGUF quantizer, whose `save_pretrained` refuses ("not
+    serializable") even when every weight was dequantised into a plain float tensor, as a float32 load does. The
+    converted model's weights are those plain tensors: the quantizer goes, so it saves like any other model. Weights
+    still packed in GGUF blocks could neither train nor save: refused before anything changes."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if str(getattr(method, "value", method)) != "gguf":
+        return
+    packed = sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith(
+        "transformers.integrations.gguf")})
+    if packed:
+        raise ValueError(f"this GGUF model keeps weights packed in GGUF blocks ({', '.join(packed)}), which cannot "
+                         "train or be saved; load it dequantised (`from_pretrained(..., gguf_file=..., "
+                         "dtype=torch.float32)`, or affine_attention.hf.load.load_model) and convert that")
+    quantizer.remove_quantization_config(model)
 
 
 def _give_own_config(model: nn.Module) -> None:
