@@ -10,7 +10,7 @@ from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel, LlamaF
 from transformers.masking_utils import sliding_window_causal_mask_function
 
 import affine_attention
-from affine_attention.hf.attention import X_KWARG, structured_mask
+from affine_attention.hf.attention import ATTN_IMPLEMENTATION, X_KWARG, attention_forward, structured_mask
 from affine_attention.hf.presets import build_model
 from affine_attention.variants import variant_names
 
@@ -147,10 +147,12 @@ def test_sliding_window_matches_reference(variant):
     ids = torch.randint(0, 128, (2, 11))
     with torch.no_grad():
         out = model(ids).logits
-        AttentionInterface.register("aa_test_reference", _reference_forward)
-        model.config._attn_implementation = "aa_test_reference"
-        ref = model(ids).logits
-        model.config._attn_implementation = "affine_attention"
+        # The reference runs in the seam's place (a converted model refuses any other implementation name).
+        AttentionInterface.register(ATTN_IMPLEMENTATION, _reference_forward)
+        try:
+            ref = model(ids).logits
+        finally:
+            AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
     assert (out - ref).abs().max() <= 1e-5
 
 

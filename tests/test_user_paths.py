@@ -125,3 +125,19 @@ def test_readme_peft_import_registers_without_a_warning():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "will not load" not in done.stderr, done.stderr[-2000:]
     assert done.stdout.strip().endswith("Config")
+
+
+def test_continuous_batching_and_an_overwritten_implementation_are_refused():
+    """transformers' continuous batching would serve plain softmax (its paged kernels); so would a converted model
+    whose private config._attn_implementation was overwritten. Both are refused, never served."""
+    from transformers import GenerationConfig
+
+    model = tiny("llama", "affine", seed=1)
+    ids = torch.randint(3, 128, (1, 6))
+    with pytest.raises(ValueError, match="vLLM"):
+        model.generate_batch(inputs=[ids[0].tolist()], generation_config=GenerationConfig(max_new_tokens=2))
+    model.config._attn_implementation = "sdpa"
+    with pytest.raises(ValueError, match="would compute plain softmax"):
+        model(ids)
+    model.config._attn_implementation = "affine_attention"
+    model(ids)

@@ -38,6 +38,14 @@ _KNOWN_KWARGS = frozenset(HONOURED_KWARGS) | frozenset(INERT_KWARGS) | {
     X_KWARG, CACHE_KWARG, TRUSTED_KWARG, KV_TRUSTED_KWARG, packing.FORWARD_KWARG, packing.DOCS_KWARG}
 
 
+# Why a converted model is not run by transformers' continuous batching (generate_batch, `transformers serve`), nor by
+# any attention implementation other than this seam's.
+SERVING_REFUSAL = ("transformers' continuous batching (generate_batch, `transformers serve`) runs its own paged "
+                   "attention kernels, which compute plain softmax, not this model's attention variant; serve "
+                   "converted models with vLLM (the serving path for them), and batch here with model.generate on "
+                   "left-padded prompts")
+
+
 def capture_attention_input(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
     """Forward pre-hook (with_kwargs=True) on a converted attention module.
 
@@ -46,6 +54,14 @@ def capture_attention_input(module: nn.Module, args: tuple, kwargs: dict[str, An
     activation checkpointing re-runs the layer and traceable by torch.compile. It also passes the cache object
     and tells the running value sum whether the cache is still the one it summed (before `cache.update`).
     """
+    implementation = getattr(module.config, "_attn_implementation", None)
+    if implementation != ATTN_IMPLEMENTATION:
+        # The private field was overwritten (set_attn_implementation refuses): the layer would run `implementation`,
+        # plain softmax, and never call the variant.
+        raise ValueError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) holds an attention "
+                         f"variant but its config's attention implementation is {implementation!r}, which would "
+                         f"compute plain softmax; set it back with model.config._attn_implementation = "
+                         f"'{ATTN_IMPLEMENTATION}'. " + (SERVING_REFUSAL if "paged" in str(implementation) else ""))
     x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     kwargs = dict(kwargs)

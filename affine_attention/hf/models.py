@@ -69,6 +69,11 @@ class AffineModelMixin:
                 f"'{attention.ATTN_IMPLEMENTATION}' implementation computes; got {attn_implementation!r}")
         return super().set_attn_implementation(attn_implementation, *args, **kwargs)
 
+    def init_continuous_batching(self, *args, **kwargs):
+        # generate_batch, the continuous-batching context manager and `transformers serve` all start here; their
+        # paged attention kernels compute plain softmax.
+        raise ValueError(attention.SERVING_REFUSAL)
+
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """transformers' loader, then checks it does not make: every variant weight must come from the
