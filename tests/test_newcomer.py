@@ -26,3 +26,34 @@ def test_resume_uses_the_runs_saved_config_and_refuses_a_different_one(tiny, tmp
     (tmp_path / "bare").mkdir()
     bare = cli_in_process(["train", "--out", str(tmp_path / "bare"), "--resume"])
     assert bare.returncode != 0 and "run's config is unknown" in bare.stderr
+
+
+def test_analyze_uses_a_runs_own_data_or_refuses_with_the_reason(tiny, tmp_path, monkeypatch):  # noqa: F811
+    import json
+
+    from affine_attention.train.config_load import load_config
+    from affine_attention.train.loop import train
+
+    probe = tmp_path / "probe"
+    train(load_config("sink-probe", ["train.steps=2", "train.eval_every=2", "train.checkpoint_every=0"]), probe,
+          log=lambda m: None)
+    # The probe's data is a synthetic task analyze cannot regenerate: refused, pointing at the run's report.
+    said = cli_in_process(["analyze", "--model", str(probe / "final"), "--sequences", "1"])
+    assert said.returncode != 0 and "data.eval.kind = 'backcopy'" in said.stderr and "report" in said.stderr
+    # Text in another vocabulary: refused by its share of unknown tokens (it was 94%, measured as attention).
+    text = tmp_path / "plays.txt"
+    text.write_text("Now is the winter of our discontent made glorious summer by this sun of York. " * 20)
+    said = cli_in_process(["analyze", "--model", str(probe / "final"), "--data", str(text), "--length", "16"])
+    assert said.returncode != 0 and "unknown to the model's tokenizer" in said.stderr
+
+    # A text run: its own held-out file at its trained length, written under runs/ of the current folder.
+    run = tmp_path / "text"
+    train(load_config("tiny", tiny + ["train.steps=2"]), run, log=lambda m: None)
+    monkeypatch.chdir(tmp_path)
+    said = cli_in_process(["analyze", "--model", str(run / "final"), "--sequences", "1", "--chunk", "16"])
+    assert said.returncode == 0, said.stderr
+    (written,) = (tmp_path / "runs").glob("analyze-*/metrics.json")
+    config = json.loads(written.read_text())["config"]
+    seq_len = load_config("tiny", tiny).data.seq_len
+    assert config["length"] == seq_len and config["data"].endswith("eval.jsonl")
+    assert not (tmp_path / "analysis").exists()

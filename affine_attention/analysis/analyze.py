@@ -63,6 +63,49 @@ def read_texts(path: str | None) -> tuple[list[str], str]:
     return read_documents(path), str(path)
 
 
+# Text sources analyze can read again from a run's recorded config (read_texts); any other (a synthetic task, a hub
+# stream) it cannot regenerate.
+_TEXT_KINDS = ("corpus", "files")
+MAX_UNKNOWN_SHARE = 0.2  # above this share of unknown tokens the text is not in the model's vocabulary
+
+
+def run_data(model: str) -> dict[str, Any] | None:
+    """The data section of the config a checkpoint of `train` / `compare` was trained with (its trainer_state.json),
+    or None for any other model."""
+    state = Path(str(model)) / "trainer_state.json"
+    if not state.is_file():
+        return None
+    return (json.loads(state.read_text()).get("config") or {}).get("data")
+
+
+def data_of_run(model: str, data: str | None, length: int | None) -> tuple[str | None, int]:
+    """(--data, --length) for `model`: a checkpoint of a run is analysed on that run's own held-out text at its
+    trained length unless told otherwise; a run trained on data analyze cannot read again is refused with why."""
+    run = run_data(model)
+    if run is None:
+        return data, length or 1024
+    source = run.get("eval") or {}
+    if data is None:
+        if source.get("kind") not in _TEXT_KINDS:
+            raise ValueError(f"{model} was trained on data.eval.kind = {source.get('kind')!r} (its tokenizer knows "
+                             f"only that data), which analyze cannot read again: pass --data with text of that data, "
+                             f"or see the run's own attention diagnostics with `affine-attention report RUN_DIR`")
+        if source["kind"] == "files":
+            data = source["paths"][0]
+    return data, length or int(run.get("seq_len") or 1024)
+
+
+def check_vocabulary(tokenizer, ids: torch.Tensor, data_desc: str) -> None:
+    """Refuse text that the tokenizer mostly maps to its unknown token: its attention would mean nothing."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return
+    share = float((ids == unk).double().mean())
+    if share > MAX_UNKNOWN_SHARE:
+        raise ValueError(f"{share:.0%} of the tokens of {data_desc} are unknown to the model's tokenizer: the text is "
+                         "not in its vocabulary; pass --data in the model's own data (or --tokenizer)")
+
+
 def token_windows(tokenizer, texts: Iterable[str], sequences: int, length: int) -> torch.Tensor:
     """(N, length) int64 token windows, N <= sequences, cut back to back from the token stream of `texts`.
 
@@ -211,10 +254,15 @@ def write_figures(results: Mapping[str, Sequence[LayerRecord]], out_dir, *, laye
 # ---------------------------------------------------------------------------------------------------------------
 # the command
 # ---------------------------------------------------------------------------------------------------------------
-def analyze(model: str, *, data: str | None = None, sequences: int = 10, length: int = 1024,
-            out: str | Path = "analysis", chunk: int = 256, layer: int | None = None, batch_size: int = 1,
+def analyze(model: str, *, data: str | None = None, sequences: int = 10, length: int | None = None,
+            out: str | Path | None = None, chunk: int = 256, layer: int | None = None, batch_size: int = 1,
             device: str = "auto", tokenizer: str | None = None, prefix: str = "", quiet: bool = False) -> dict:
-    """Everything `affine-attention analyze` does; returns the metrics dict that it writes to out/metrics.json."""
+    """Everything `affine-attention analyze` does; returns the metrics dict that it writes to out/metrics.json.
+    length None: the run's trained length for a checkpoint of `train` / `compare`, else 1024. out None:
+    runs/analyze-<time> (git-ignored), never a folder in the current directory's tree by surprise."""
+    data, length = data_of_run(model, data, length)
+    if out is None:
+        out = Path("runs") / f"analyze-{time.strftime('%Y%m%d-%H%M%S')}"
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
@@ -224,6 +272,10 @@ def analyze(model: str, *, data: str | None = None, sequences: int = 10, length:
     t_load = time.perf_counter() - t0
     texts, data_desc = read_texts(data)
     ids = token_windows(tok, texts, sequences, length)
+    check_vocabulary(tok, ids, data_desc)
+    limit = getattr(net.config, "max_position_embeddings", None)
+    if limit is not None and length > limit:
+        raise ValueError(f"--length {length} is beyond the model's {limit} positions; pass --length {limit} or less")
     if ids.shape[0] < sequences:
         say(f"note: the data hold only {ids.shape[0]} windows of {length} tokens (asked for {sequences})")
     attention = ", ".join(info["variants"]) if info["converted_checkpoint"] else f"{REFERENCE} (unconverted)"

@@ -18,13 +18,15 @@ def add_commands(sub) -> None:
         description="Record attention of a local transformers causal LM (converted or not), a .gguf file or "
                     "the packaged SmolLM2-135M ('smollm2') on held-out text; write metrics.json (per layer and "
                     "head: first-token mass, entropy, total mass, utilisation, alpha, sink mass, QK logit) and "
-                    "PNG figures.")
+                    "PNG figures. A checkpoint of `train` / `compare` is analysed on its run's own held-out text "
+                    "at its trained length (a run on data analyze cannot read again is refused).")
     p.add_argument("--model", required=True, help="model folder, path to a .gguf file, or 'smollm2'")
     p.add_argument("--data", default=None,
                    help=".txt (one document) or .jsonl ({'text': ...} per line); default: packaged validation corpus")
     p.add_argument("--sequences", type=_positive, default=10, help="number of token windows (default 10)")
-    p.add_argument("--length", type=_positive, default=1024, help="tokens per window (default 1024)")
-    p.add_argument("--out", default="analysis", help="output folder (default ./analysis)")
+    p.add_argument("--length", type=_positive, default=None,
+                   help="tokens per window (default: a run checkpoint's trained length, else 1024)")
+    p.add_argument("--out", default=None, help="output folder (default runs/analyze-<time>)")
     p.add_argument("--chunk", type=_positive, default=256,
                    help="queries per block when recomputing weights: bounds memory (default 256)")
     p.add_argument("--layer", type=int, default=None, help="layer position for the attention map (default middle)")
