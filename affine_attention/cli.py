@@ -66,7 +66,12 @@ def _compare(args) -> int:
             except ModuleNotFoundError as err:
                 raise ValueError(f"writing the report needs {err.name} (pip install 'affine-attention[analysis]'); "
                                  "or pass --no-report and run `affine-attention report RUN_DIR` later") from err
+            from .analysis.report_claims import run_claims_text
+
             paths = write_report(out)
+            claims = run_claims_text(out)
+            if claims:
+                print(claims)
             print(f"report: {paths['html']} (and {paths['md']})")
         print(f"run folder: {out}")
     return 0
@@ -87,7 +92,7 @@ examples (one per command; `affine-attention COMMAND --help` for its options):
   affine-attention params --preset llama-3.2-1b --variant affine
   affine-attention families
   affine-attention eval --model runs/affine/final --tasks fixtures --ppl heldout.txt
-  affine-attention analyze --model smollm2 --sequences 2 --length 256 --out analysis
+  affine-attention analyze --model smollm2 --sequences 2 --length 256 --out runs/analysis
 """
 
 

@@ -57,3 +57,18 @@ def test_analyze_uses_a_runs_own_data_or_refuses_with_the_reason(tiny, tmp_path,
     seq_len = load_config("tiny", tiny).data.seq_len
     assert config["length"] == seq_len and config["data"].endswith("eval.jsonl")
     assert not (tmp_path / "analysis").exists()
+
+
+def test_no_head_utilisation_heatmap_for_one_head_models(tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from affine_attention.analysis.analyze import analyze
+    from affine_attention.text.corpus import default_tokenizer
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                                 intermediate_size=64, vocab_size=4096)).save_pretrained(tmp_path / "m")
+    default_tokenizer().save_pretrained(tmp_path / "m")
+    result = analyze(str(tmp_path / "m"), sequences=1, length=32, out=tmp_path / "out", quiet=True)
+    assert "head_mass" not in result["figures"] and "first_token_mass" in result["figures"]

@@ -141,7 +141,11 @@ def test_report_cli_regenerates_without_checkpoints(run_dir, tmp_path, capsys):
     assert main(["report", str(copy), "--no-attention", "--window", "30"]) == 0
     md = (copy / "report.md").read_text()
     assert "steps 1-30" in md and "first_token_mass" not in md
-    assert str(copy / "report.html") in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert str(copy / "report.html") in said.out
+    # The Claims verdicts close the output, each with its mark; each phase of the report says it ran.
+    assert "Claims (verdicts" in said.out and re.search(r"affine vs softmax: .*: [✓✗≈–] ", said.out), said.out
+    assert "report: training figures: done in" in said.err
     assert main(["report", str(tmp_path / "nothing")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -209,8 +213,9 @@ def test_claims_verdicts_fit_a_1280px_window_in_chromium(run_dir, tmp_path):
         assert t["right"] <= 1280, t["title"]
         assert all(right <= t["right"] + 1 for _, right in t["heads"]), (t["title"], t["heads"])
     for t in claims:
-        assert t["verdicts"] and all(re.fullmatch(r"(holds|does not hold|within seed spread|not testable here)"
-                                                  r"( \[\d+\])?", v) for v in t["verdicts"]), t["verdicts"]
+        # each verdict with its mark, read at a glance in a wide table
+        assert t["verdicts"] and all(re.fullmatch(r"(✓ holds|✗ does not hold|≈ within seed spread|– not testable "
+                                                  r"here)( \[\d+\])?", v) for v in t["verdicts"]), t["verdicts"]
     # This fixture's softmax forms no sink, so the first-token row is not testable, and says why in a note.
-    assert any(v.startswith("not testable here [") for t in claims for v in t["verdicts"])
+    assert any(v.startswith("– not testable here [") for t in claims for v in t["verdicts"])
     assert '<ol class="notes"><li>softmax forms no attention sink' in (run_dir / "report.html").read_text()

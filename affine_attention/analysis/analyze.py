@@ -211,8 +211,9 @@ def write_figures(results: Mapping[str, Sequence[LayerRecord]], out_dir, *, laye
                   prefix: str = "", title_suffix: str = "") -> dict[str, Path]:
     """The attention figures for one or more models: results maps a name (variant) -> its layer records.
 
-    Returns {figure key: path}: first_token_mass, entropy, head_mass, mass_histogram, attention_map and, when
-    some model has a non-constant alpha, alpha_histogram. `layer` picks the attention-map layer by position (default middle).
+    Returns {figure key: path}: first_token_mass, entropy, head_mass (unless every model has one head per layer),
+    mass_histogram, attention_map and, when some model has a non-constant alpha, alpha_histogram. `layer` picks the
+    attention-map layer by position (default middle).
     """
     from . import plots
 
@@ -225,9 +226,11 @@ def write_figures(results: Mapping[str, Sequence[LayerRecord]], out_dir, *, laye
     figs["entropy"] = plots.plot_per_layer(
         {k: [r.layer_mean("entropy") for r in rs] for k, rs in results.items()},
         "mean attention entropy (nats)", f"Attention entropy per layer{sfx}", out / f"{prefix}entropy.png")
-    figs["head_mass"] = plots.plot_head_heatmaps(
-        {k: utilisation(list(rs)) for k, rs in results.items()}, out / f"{prefix}head_mass.png",
-        title=f"Head utilisation: total mass on non-first tokens, min-max normalised{sfx}")
+    # Head utilisation compares heads: with one head per layer (the sink-probe models) the grid means nothing.
+    if any(r.num_heads > 1 for rs in results.values() for r in rs):
+        figs["head_mass"] = plots.plot_head_heatmaps(
+            {k: utilisation(list(rs)) for k, rs in results.items()}, out / f"{prefix}head_mass.png",
+            title=f"Head utilisation: total mass on non-first tokens, min-max normalised{sfx}")
     totals = {k: torch.cat([r.total_mass_values for r in rs if r.total_mass_values is not None] or [torch.empty(0)])
               for k, rs in results.items()}
     figs["mass_histogram"] = plots.plot_mass_histograms(

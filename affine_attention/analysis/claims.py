@@ -74,6 +74,16 @@ def paired(per_seed: dict, a: str, b: str, metric: str) -> list[float]:
     return out
 
 
+# A mark per verdict, so a wide table reads at a glance (report, compare's closing lines).
+VERDICT_MARKS = {"holds": "✓", "does not hold": "✗", "within seed spread": "≈", "not testable here": "–"}
+
+
+def marked(verdict_text: str) -> str:
+    """The verdict with its mark, e.g. '✓ holds'."""
+    mark = VERDICT_MARKS.get(verdict_text)
+    return f"{mark} {verdict_text}" if mark else verdict_text
+
+
 def verdict(diffs: list[float], direction: int) -> str:
     """The rule above, for paired differences (method - reference) and the claimed direction (-1 lower, +1 higher)."""
     if len(diffs) < MIN_SEEDS:

@@ -84,8 +84,13 @@ def _run_report(args) -> int:
 
     _steady_allocator()
 
+    from .report_claims import run_claims_text
+
     paths = write_report(args.run_dir, sequences=args.sequences, length=args.length or None,
                          attention=not args.no_attention, window=(0, args.window))
+    claims = run_claims_text(args.run_dir)
+    if claims:
+        print(claims)
     for p in paths.values():
         print(p)
     return 0

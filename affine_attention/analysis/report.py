@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .._progress import phase
 from .compare_run import grad_window, load_run, run_config
 from .report_claims import claims_blocks, claims_data, record_claims
 from .report_figures import attention_figures, attention_records, training_figures
@@ -34,14 +35,19 @@ def write_report(run_dir: str | Path, *, sequences: int = 4, length: int | None 
     t1, numbers = losses_table(summary, runs)
     t2, grad = grad_table(runs, gwin, glabel)
     t3 = control_table(numbers)
-    figs = training_figures(runs, figdir, bool(cfg.get("kd", {}).get("enabled")), gwin, glabel)
+    # Progress on stderr (_progress.phase): the report of a compare run takes minutes, mostly the checkpoints'
+    # attention diagnostics, and must not look stuck.
+    with phase("report: training figures"):
+        figs = training_figures(runs, figdir, bool(cfg.get("kd", {}).get("enabled")), gwin, glabel)
     attn: dict = {}
     by_seed: dict = {}
     length = length or cfg.get("data", {}).get("seq_len") or 128
     if attention:
-        by_seed, note = attention_records(runs, cfg, sequences, length, chunk)
-        attn = {v: recs[min(recs)] for v, recs in by_seed.items()}  # figures: each variant's first seed
-        figs += attention_figures(runs, attn, note, figdir)
+        checkpoints = sum(len(rs) for rs in runs.values())
+        with phase(f"report: attention diagnostics of {checkpoints} final checkpoints"):
+            by_seed, note = attention_records(runs, cfg, sequences, length, chunk)
+            attn = {v: recs[min(recs)] for v, recs in by_seed.items()}  # figures: each variant's first seed
+            figs += attention_figures(runs, attn, note, figdir)
     blocks: list = [Heading(title(run_dir.name), 1), Heading("Set-up"),
                     Table(["item", "value"], setup_rows(summary, runs), key_value=True), Heading("Results"), t1, t2]
     controls = controls_note(runs)
@@ -51,7 +57,8 @@ def write_report(run_dir: str | Path, *, sequences: int = 4, length: int | None 
         blocks.append(t3)
     probe, sink = None, None
     if attention and probe_task(cfg) is not None:  # the Bigram-Backcopy probe: the sink test reads dormant queries
-        probe = probe_data(runs, cfg, max(sequences, PROBE_SEQUENCES))
+        with phase("report: sink probe measurements"):
+            probe = probe_data(runs, cfg, max(sequences, PROBE_SEQUENCES))
         sink = (probe["reference_sink"], f"dormant (non-trigger) queries' first-token softmax mass at least "
                 f"{probe['factor']:g}x their uniform share at the probe's layer, mean over seeds")
     extra = None

@@ -2,6 +2,7 @@
 per method and, machine-readable, in summary.json."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .._files import atomic_write_json
@@ -11,7 +12,7 @@ from . import claims
 from .compare_run import BEFORE, SeedRun, output_scale
 from .report_template import Heading, Table
 
-__all__ = ["claims_data", "claims_blocks", "record_claims"]
+__all__ = ["claims_data", "claims_blocks", "claims_lines", "record_claims", "run_claims_text"]
 
 
 def claims_data(runs: dict[str, list[SeedRun]], numbers: dict, gwin: tuple[int, int], by_seed: dict,
@@ -70,10 +71,10 @@ def claims_blocks(data: dict) -> list:
             # The verdict stays a few words so the table fits a page; its reason becomes a numbered note below the
             # table (one number per distinct reason), which the reader finds by the marker.
             if not side.get("why"):
-                return side["verdict"]
+                return claims.marked(side["verdict"])
             if side["why"] not in notes:
                 notes.append(side["why"])
-            return f"{side['verdict']} [{notes.index(side['why']) + 1}]"
+            return f"{claims.marked(side['verdict'])} [{notes.index(side['why']) + 1}]"
 
         rows = [[r["text"], r["metric"], cell(r["baseline"]), verdict(r["baseline"]), cell(r["control"]),
                  verdict(r["control"])] for r in m["rows"]]
@@ -82,6 +83,31 @@ def claims_blocks(data: dict) -> list:
                          f"The paper's claims for {method}, against {BASELINE} and against {ctrl}", notes=notes,
                          wrap_columns=(0, 1, 2, 4)))
     return out
+
+
+def claims_lines(data: dict) -> list[str]:
+    """The Claims verdicts as plain lines (compare prints them at its end), from `claims_data` or summary.json's
+    "claims": one line per method, claim and reference."""
+    out = []
+    for method, m in data.get("methods", {}).items():
+        for r in m["rows"]:
+            for side in ("baseline", "control"):
+                ref = r[side].get("against") or (data.get("baseline") if side == "baseline" else m["control"])
+                if ref is None:
+                    continue
+                d = r[side]["diff"]
+                diff = "" if not d.get("n") else f" ({method} − {ref} = {d['mean']:+.3g}, n={d['n']})"
+                out.append(f"  {method} vs {ref}: {r['text']}: {claims.marked(r[side]['verdict'])}{diff}")
+    return out
+
+
+def run_claims_text(run_dir: str | Path) -> str:
+    """The Claims verdicts a report recorded in run_dir/summary.json, as the closing lines of `compare` and
+    `report`; empty when none were recorded."""
+    path = Path(run_dir) / "summary.json"
+    data = json.loads(path.read_text()).get("claims") if path.is_file() else None
+    lines = claims_lines(data) if data else []
+    return "\n".join(["Claims (verdicts by the rule stated in the report's Claims section):", *lines]) if lines else ""
 
 
 def record_claims(run_dir: Path, summary: dict, data: dict, extra: dict | None = None) -> None:
