@@ -72,3 +72,13 @@ def test_no_head_utilisation_heatmap_for_one_head_models(tmp_path):
     default_tokenizer().save_pretrained(tmp_path / "m")
     result = analyze(str(tmp_path / "m"), sequences=1, length=32, out=tmp_path / "out", quiet=True)
     assert "head_mass" not in result["figures"] and "first_token_mass" in result["figures"]
+
+
+def test_probe_triggers_are_shown_as_the_text_they_stand_for():
+    from affine_attention.analysis.report_probe import probe_task, readable
+
+    assert readable("Ċ") == "\n" and readable("Ġthe") == " the" and readable(",") == "," and readable("<s>") == "<s>"
+    from affine_attention.train.config_load import load_config
+
+    bc = probe_task(load_config("sink-probe").to_dict())
+    assert [readable(bc.names[i]) for i in bc.triggers] == ["\n", ",", "."]  # the preset's comment names them so

@@ -17,7 +17,24 @@ from .analyze import load_model
 from .compare_run import SeedRun
 from .report_template import Figure, Heading, Para, Table
 
-__all__ = ["probe_task", "probe_ids", "probe_data", "probe_blocks"]
+__all__ = ["probe_task", "probe_ids", "probe_data", "probe_blocks", "readable"]
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for every byte (GPT-2's table: 'Ġ' a space, 'Ċ' a newline) -> the byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+_BYTE_LEVEL = _byte_level_chars()
+
+
+def readable(token: str) -> str:
+    """A byte-level token as the text it stands for ('Ċ' -> '\n', 'Ġthe' -> ' the'); other strings unchanged."""
+    if not token or any(ch not in _BYTE_LEVEL for ch in token):
+        return token
+    return bytes(_BYTE_LEVEL[ch] for ch in token).decode("utf-8", errors="replace")
 
 
 def probe_task(cfg: dict):
@@ -51,7 +68,7 @@ def probe_data(runs: dict[str, list[SeedRun]], cfg: dict, sequences: int) -> dic
     bc = probe_task(cfg)
     ids = probe_ids(cfg, sequences)
     out: dict = {"variants": {}, "sequences": sequences, "factor": sink_probe.SINK_FACTOR,
-                 "triggers": [bc.names[i] for i in bc.triggers]}
+                 "triggers": [readable(bc.names[i]) for i in bc.triggers]}
     for v, rs in runs.items():
         per_seed, evo = {}, {}
         for r in rs:
