@@ -141,3 +141,39 @@ def test_continuous_batching_and_an_overwritten_implementation_are_refused():
         model(ids)
     model.config._attn_implementation = "affine_attention"
     model(ids)
+
+
+def _trl_run(trainer_cls, config_cls, model, tmp_path, data, **kw):
+    """Log records of a short trl run on CPU (seeded, nothing saved)."""
+    from affine_attention.hf.callbacks import RunningStatsCallback
+
+    cfg = {k: kw.pop(k) for k in list(kw) if k in config_cls.__dataclass_fields__}
+    args = config_cls(output_dir=str(tmp_path), max_steps=1, logging_steps=1, report_to=[], save_strategy="no",
+                      use_cpu=True, seed=0, data_seed=0, learning_rate=1e-3, **cfg)
+    trainer = trainer_cls(model=model.train(), args=args, train_dataset=data, processing_class=default_tokenizer(),
+                          callbacks=[RunningStatsCallback()], **kw)
+    trainer.train()
+    return next(h for h in trainer.state.log_history if "loss" in h)
+
+
+def test_trl_dpo_and_grpo_match_unconverted(tmp_path):
+    """trl's DPO (fused LM head over the concatenated pairs) and GRPO (its own sampling, then the policy loss): the
+    function-preserving conversion gives the unconverted model's log-probabilities, rewards and entropy."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    tok = default_tokenizer()
+    base, converted = _converted_pair(seed=6, vocab_size=len(tok))
+    pairs = Dataset.from_list([{"prompt": "To be or not", "chosen": " to be", "rejected": " a fish"}] * 4)
+    dpo = [_trl_run(trl.DPOTrainer, trl.DPOConfig, m, tmp_path / f"dpo{i}", pairs, per_device_train_batch_size=2,
+                    ref_model=copy.deepcopy(m).eval()) for i, m in enumerate((base, converted))]
+    for key in ("loss", "logps/chosen", "logps/rejected"):
+        assert dpo[1][key] == pytest.approx(dpo[0][key], rel=1e-5, abs=1e-6), key
+
+    prompts = Dataset.from_list([{"prompt": "To be or not"}] * 4)
+    grpo = [_trl_run(trl.GRPOTrainer, trl.GRPOConfig, m, tmp_path / f"grpo{i}", prompts, per_device_train_batch_size=4,
+                     num_generations=4, max_completion_length=6,
+                     reward_funcs=lambda completions, **_: [float(len(c)) for c in completions])
+            for i, m in enumerate((base, converted))]
+    for key in ("reward", "reward_std", "entropy"):
+        assert grpo[1][key] == pytest.approx(grpo[0][key], rel=1e-5), key
