@@ -85,6 +85,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float, *, 
     softmax, or None when the chosen backend has none).
     """
     chosen = select(Call.of(q, k, mask, needs_lse=sinks is not None, softcap=softcap), backend)
+    q, k, v = fit_layout(chosen, q), fit_layout(chosen, k), fit_layout(chosen, v)
     score = {} if softcap is None else {"softcap": softcap}  # only a backend that declares softcap receives it
     if not chosen.has_lse:
         return chosen.attention(q, k, v, mask, scale, **score), None
@@ -92,6 +93,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float, *, 
         out, lse = chosen.forward(q, k, v, mask, scale, **score)  # nothing to differentiate (decoding): no node
         return with_sink(out, lse, sinks)[0], lse
     return KernelAttention.apply(chosen, q, k, v, sinks, mask, scale, score)
+
+
+def fit_layout(b: Backend, t: Tensor) -> Tensor:
+    """t: (B, H, T|S, D) as backend b can read it: t itself when b accepts its layout (no copy), else one contiguous
+    copy (differentiable: autograd maps the gradient back onto the original view, summing over expanded dims)."""
+    return t if b.accepts_layout(t) else t.contiguous()
 
 
 def with_sink(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -139,5 +146,5 @@ class KernelAttention(torch.autograd.Function):
         return None, dq, dk, dv, dsinks, None, None, None
 
 
-__all__ = ["BACKENDS", "Backend", "Call", "KernelAttention", "attention", "backend_names", "forced_name",
+__all__ = ["BACKENDS", "Backend", "Call", "KernelAttention", "attention", "backend_names", "fit_layout", "forced_name",
            "get_backend", "select", "use_backend", "with_sink"]
