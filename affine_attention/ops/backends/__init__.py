@@ -13,6 +13,7 @@ import pkgutil
 import torch
 from torch import Tensor
 
+from .._once import once_differentiable
 from ..._compat import as_dtype, float_acc
 from .._forcing import ForcedChoice
 from ..masks import MaskSpec
@@ -130,6 +131,7 @@ class KernelAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable("the attention kernel")  # a second derivative raises, naming what to use instead
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, gate, sinks = ctx.saved_tensors
         dsinks = None
