@@ -108,8 +108,16 @@ def with_sink(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, T
     if sinks is None:
         return out, None
     acc = float_acc(out.dtype)
-    gate = torch.sigmoid(as_dtype(lse, acc) - as_dtype(sinks, acc)[None, :, None])
+    gate = torch.sigmoid(_sink_gap(lse, sinks, acc))
     return as_dtype(as_dtype(out, acc) * gate[..., None], out.dtype), gate
+
+
+def _sink_gap(lse: Tensor, sinks: Tensor, acc: torch.dtype) -> Tensor:
+    """lse (B, Hq, T) - sinks (Hq,) in acc: the sink gate is sigmoid of it. A row that sees no key (lse = -inf) under
+    a sink of -inf (no sink) has no mass anywhere: -inf, so its gate is 0, where -inf - -inf would give nan."""
+    lse, s = as_dtype(lse, acc), as_dtype(sinks, acc)[None, :, None]
+    gap = lse - s
+    return torch.where(torch.isneginf(lse) & torch.isneginf(s), torch.full_like(gap, float("-inf")), gap)
 
 
 class KernelAttention(torch.autograd.Function):
@@ -142,7 +150,7 @@ class KernelAttention(torch.autograd.Function):
             if ctx.needs_input_grad[4]:
                 # dO . out' = g * (dO . out); d gate / d s = -g (1 - g), and 1 - g = sigmoid(s - lse) does not cancel.
                 delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, Hq, T) = g * dO.out
-                one_minus = torch.sigmoid(sinks.to(acc)[None, :, None] - lse.to(acc))
+                one_minus = torch.sigmoid(-_sink_gap(lse, sinks, acc))
                 dsinks = -(one_minus * delta).sum((0, 2)).to(sinks.dtype)
         dq, dk, dv = ctx.backend.backward(grad, q, k, v, out, lse, ctx.mask, ctx.scale, **ctx.score)
         return None, dq, dk, dv, dsinks, None, None, None
