@@ -10,13 +10,13 @@ HELPERS = frozenset({"test_hf_common.py", "test_train_helpers.py"})
 # and state-dict formats) or transformers internals (the attention seam, caches, masks, save / load, PEFT, config
 # classes): run in both environments.
 VERSION_SENSITIVE = frozenset({
-    "test_analysis_capture.py", "test_analysis_masks.py", "test_backends.py", "test_backends_cuda.py",
+    "test_analysis_capture.py", "test_analysis_masks.py", "test_backends.py", "test_backends_cuda.py", "test_cli_checks.py",
     "test_compile.py", "test_compile_ops.py", "test_cuda_traceable.py", "test_degenerate_inputs.py", "test_double_backward.py",
     "test_epilogue.py", "test_eval_cli.py", "test_eval_harness.py", "test_eval_perplexity.py",
     "test_gate_precision_nan.py", "test_gpu_check_dryrun.py", "test_hardening.py", "test_hf_convert.py",
     "test_hf_families.py", "test_hf_generate.py", "test_hf_peft.py", "test_hf_presets.py", "test_hf_saveload.py",
     "test_hf_smollm2.py", "test_hf_spec_metadata.py", "test_layouts.py", "test_long_runs.py", "test_mask_shapes.py", "test_masks_structured.py",
-    "test_no_txs.py", "test_nonfinite_queries.py", "test_ops_errors.py", "test_ops_numerics.py", "test_ops_properties.py", "test_packing.py",
+    "test_no_txs.py", "test_nonfinite_queries.py", "test_ops_errors.py", "test_ops_numerics.py", "test_ops_properties.py", "test_packing.py", "test_properties.py",
     "test_retrofit.py", "test_running_stats.py", "test_running_stats_protocol.py", "test_segment_sums.py",
     "test_stats_distributed.py", "test_train_checkpoint.py", "test_train_distributed.py", "test_train_kd.py",
     "test_train_resume.py", "test_triton_kernels.py", "test_variants.py", "test_variants_distributed.py",
