@@ -46,13 +46,19 @@ def add_commands(subparsers) -> None:
 
 
 def _out_dir(args, cfg, command: str) -> str:
-    if args.out:
-        return args.out
-    if cfg.train.out_dir:
-        return cfg.train.out_dir
-    if args.resume:
+    """The run folder, checked (a name, writable, not a file) before any data or model is built."""
+    from pathlib import Path
+
+    from .run_dir import check_out_dir
+
+    if args.out is not None and not args.out.strip():
+        raise ValueError("--out is empty; pass a folder for the run (or leave --out out for runs/<command>-<time>)")
+    out = args.out or cfg.train.out_dir
+    if not out and args.resume:
         raise ValueError("--resume needs the run folder: pass --out DIR (or set train.out_dir)")
-    return os.path.join("runs", f"{command}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = out or os.path.join("runs", f"{command}-{time.strftime('%Y%m%d-%H%M%S')}")
+    check_out_dir(Path(out), args.resume)
+    return out
 
 
 def _train(args) -> int:
