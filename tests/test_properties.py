@@ -20,7 +20,7 @@ from affine_attention.ops import (
 from affine_attention.ops.backends import backend_names
 from affine_attention.ops.reference import visible_mask
 
-DEFAULT, SLOW = 24, 400
+DEFAULT, SLOW = 60, 1500
 BACKENDS = [None] + [n for n in backend_names() if n != "cuda_flash"]
 LAYOUTS = ("contiguous", "transposed", "expanded", "offset")
 NONFINITE = ("none", "none", "none", "q", "alpha", "k", "v")
