@@ -225,6 +225,7 @@ class TrainConfig:
     eval_every: int = count(100, ge=0, note="0: only at the end")  # held-out loss and the query-key logit probe
     checkpoint_every: int = count(0, ge=0, note="0: only the final checkpoint")
     keep_checkpoints: int = count(2, ge=1)  # newest N step checkpoints kept (the final one is always kept)
+    async_checkpoint: bool = False  # step checkpoints written by a background thread (checkpoint_dcp.py)
 
 
 @dataclass

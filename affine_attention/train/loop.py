@@ -12,10 +12,11 @@ import torch
 from .._files import atomic_write_json
 from ..variants.running_stats import step_running_stats
 from . import checkpoint as ckpt
+from . import checkpoint_dcp
 from .config import RunConfig
 from .config_load import validate
 from .data import TrainBatches, data_key, eval_sequences, open_source, separator_id
-from .distributed import DistInfo, all_equal, all_reduce_sum, barrier, full_state, load_full_state, setup, wrap
+from .distributed import DistInfo, all_equal, all_reduce_sum, barrier, full_state, setup, wrap
 from .kd import Teacher
 from .metrics import MetricsLog, Progress, TokenStats, running_buffers, state_per_layer
 from .model import base_model as start_model
@@ -91,6 +92,7 @@ class Trainer:
         self.build_data()
         self.build_model(base_model)
         self.build_teacher()
+        self.saver = checkpoint_dcp.ShardedSaver(self.info, background=tc.async_checkpoint)
         self.token_stats = TokenStats(self.model)
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.info.is_main)
         if self.info.is_main:
@@ -181,14 +183,10 @@ class Trainer:
         if self.info.is_main:
             ckpt.recover_partial(self.out_dir, log=self.say)
         barrier(self.info)
-        path = ckpt.newest_intact(self.out_dir, log=self.say)
-        state = ckpt.load_training_state(path)
+        path = checkpoint_dcp.newest(self.out_dir, self.info, log=self.say)
+        state = checkpoint_dcp.restore(path, self.model, self.optimizer, self.info, self.cfg.model.tie_embeddings)
         ts = state["trainer_state"]
         check_resume_config(ts["config"], self.cfg)
-        missing = load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
-        tied = {n for n in missing if n.endswith("lm_head.weight") and self.cfg.model.tie_embeddings}
-        if set(missing) - tied:
-            raise ValueError(f"checkpoint {path} lacks weights {sorted(set(missing) - tied)[:5]}")
         torch.set_rng_state(state["rng"]["torch_cpu"])
         if "torch_cuda" in state["rng"] and self.info.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"]["torch_cuda"])
@@ -196,7 +194,9 @@ class Trainer:
         self.start_step, self.wall0, self.tokens_seen = ts["step"], ts["wall_time"], ts["tokens"]
         self.metrics.truncate_after(self.start_step)
         self.say(f"resuming from {path} (step {self.start_step})")
-        self.metrics.write({"kind": "resume", "step": self.start_step, "checkpoint": str(path)})
+        self.metrics.write({"kind": "resume", "step": self.start_step, "checkpoint": str(path),
+                            "checkpoint_bytes_read_per_rank": state["read"]["bytes_per_rank"],
+                            "checkpoint_bytes": state["read"]["bytes_total"]})
 
     def begin(self) -> None:
         """After start or resume: the progress display and the wall clock of this segment of the run."""
@@ -263,15 +263,19 @@ class Trainer:
     def save(self, step: int, final: bool) -> None:
         if self.teacher is not None:
             self.teacher.flush()
+        state = {"step": step, "data": self.batches.state_dict(), "wall_time": self.wall0 + time.time() - self.t_seg,
+                 "tokens": self.tokens_seen, "config": self.cfg.to_dict(), "variant": self.variant,
+                 "world_size": self.info.world}
+        if not final:  # sharded: every rank writes its part (checkpoint_dcp.py)
+            self.saver.save(self.out_dir / "checkpoints" / ckpt.step_name(step), model=self.model,
+                            optimizer=self.optimizer, hf_model=self.hf_model, tokenizer=self.tok, trainer_state=state,
+                            after=lambda: ckpt.prune(self.out_dir, self.tc.keep_checkpoints))
+            return
+        self.saver.wait()  # final/ is the transformers folder the report and export read, written whole by rank 0
         msd, osd = full_state(self.model, self.optimizer)
         if self.info.is_main:
-            state = {"step": step, "data": self.batches.state_dict(), "wall_time": self.wall0 + time.time() - self.t_seg,
-                     "tokens": self.tokens_seen, "config": self.cfg.to_dict(), "variant": self.variant,
-                     "world_size": self.info.world}
-            target = self.out_dir / "final" if final else self.out_dir / "checkpoints" / ckpt.step_name(step)
-            ckpt.save(target, model=self.hf_model, model_sd=msd, optim_sd=osd, tokenizer=self.tok, trainer_state=state)
-            if not final:
-                ckpt.prune(self.out_dir, self.tc.keep_checkpoints)
+            ckpt.save(self.out_dir / "final", model=self.hf_model, model_sd=msd, optim_sd=osd, tokenizer=self.tok,
+                      trainer_state=state)
         barrier(self.info)
 
     def on_schedule(self, step: int) -> None:
