@@ -65,16 +65,22 @@ def sharded_state(model, optimizer) -> tuple[dict[str, Any], list[dict], dict[st
 
     msd, osd = get_state_dict(model, optimizer)
     groups = osd.pop("param_groups")
+    return {"model": msd, "optim": osd}, groups, distinct(msd)
+
+
+def distinct(sd: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Drop from `sd`, in place, every entry whose tensor another entry already holds (a tied lm_head); returns
+    {name dropped: name kept}."""
     seen, aliases = {}, {}
-    for name, t in list(msd.items()):
+    for name, t in list(sd.items()):
         local = t.to_local() if hasattr(t, "to_local") else t
         key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.dtype)
         if local.numel() and key in seen:
             aliases[name] = seen[key]
-            del msd[name]
+            del sd[name]
         else:
             seen[key] = name
-    return {"model": msd, "optim": osd}, groups, aliases
+    return aliases
 
 
 class ShardedSaver:
@@ -151,7 +157,7 @@ class ShardedSaver:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _reader(path: Path):
+def reader_for(path: Path):
     """DCP's safetensors reader, counting the bytes this rank reads (resume memory is ~ that)."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
@@ -206,7 +212,7 @@ def restore(path: Path, model, optimizer, info: DistInfo, tied: bool) -> dict[st
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state, _, aliases = sharded_state(model, optimizer)
-    reader = _reader(path / STATE)
+    reader = reader_for(path / STATE)
     torch.distributed.checkpoint.load(state, storage_reader=reader, no_dist=not info.enabled)
     state["model"].update({name: state["model"][kept] for name, kept in aliases.items()})
     set_state_dict(model, optimizer, model_state_dict=state["model"],

@@ -30,6 +30,21 @@ def add_commands(subparsers) -> None:
     p.add_argument("--world", type=int, default=None, help="--dry-run: number of GPUs to estimate for "
                    "(default: $WORLD_SIZE or 1)")
     p.set_defaults(func=_train)
+    e = subparsers.add_parser("export", help="write a run's checkpoint as a transformers folder",
+                              description="Write one checkpoint of a train run (a sharded step checkpoint or final/) "
+                              "as a transformers-loadable folder: safetensors with the variant, config, tokenizer.")
+    e.add_argument("--run", required=True, help="the run folder (train --out)")
+    e.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest intact one)")
+    e.add_argument("--out", required=True, help="a new folder to write")
+    e.set_defaults(func=_export)
+
+
+def _export(args) -> int:
+    from .export import export
+
+    path = export(args.run, args.out, args.step)
+    print(f"exported {path} to {args.out}")
+    return 0
 
 
 def _out_dir(args, cfg, command: str) -> str:
