@@ -143,7 +143,7 @@ class Trainer:
             self.teacher = Teacher(cfg.kd, student_tok=self.tok, student_tok_spec=self.tok_spec,
                                    student_vocab=self.vocab_size, data_key=data_key(self.source, dc.seq_len),
                                    seq_len=dc.seq_len, device=self.info.device, rank=self.info.rank,
-                                   doc_sep=self.doc_sep)
+                                   doc_sep=self.doc_sep, chunk=self.tc.loss_chunk_tokens)
 
     # --- start or resume ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -210,7 +210,8 @@ class Trainer:
         (3,) sums (float64; float32 on MPS) of micro-batch means of (loss, ce, kd)."""
         return accumulate_gradients(self.model, rows, ids, n_micro=self.n_micro, micro_batch=self.tc.micro_batch,
                                     info=self.info, autocast=self.autocast, doc_sep=self.doc_sep,
-                                    teacher=self.teacher, kd_alpha=self.cfg.kd.kd_alpha)
+                                    teacher=self.teacher, kd_alpha=self.cfg.kd.kd_alpha,
+                                    temperature=self.cfg.kd.temperature, chunk=self.tc.loss_chunk_tokens)
 
     def optimizer_step(self) -> float:
         """Clip, step and clear the gradients; returns the global pre-clip gradient norm."""
