@@ -1,12 +1,16 @@
 """The dry run's memory formula (affine_attention/train/dryrun.py) against the measured peak of the same configuration:
-each configuration trains 3 optimizer steps in a fresh CPU process (fp32, one thread) through the trainer's own step
-functions; measured = peak RSS (ru_maxrss) minus the RSS just before the model is built.
+each configuration trains 2 optimizer steps in a fresh CPU process (fp32, one thread) through the trainer's own step
+functions; measured = peak RSS (ru_maxrss) minus the RSS just before the model is built. The child runs with a fixed
+glibc mmap threshold (MALLOC_MMAP_THRESHOLD_): by default glibc raises the threshold after the first large free, and
+later tensors then come from the heap, whose freed pages stay resident, so peak RSS would count memory that was
+already free (measured: 1727 MiB instead of 1159 MiB for the first configuration).
 
     python benchmarks/bench_dryrun.py            # prints estimate, measured and their ratio per configuration
 """
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -39,6 +43,7 @@ def child(overrides: list[str]) -> None:
     from affine_attention.train.model import build_base, convert
     from affine_attention.train.optim import build_optimizer
     from affine_attention.train.steps import accumulate_gradients, autocast_for, clip_and_step
+    from affine_attention.variants.running_stats import step_running_stats
 
     torch.set_num_threads(1)
     cfg = load_config("tiny", COMMON + overrides)
@@ -51,11 +56,12 @@ def child(overrides: list[str]) -> None:
     optimizer = build_optimizer(model, cfg.optim)
     autocast, _ = autocast_for(torch.device("cpu"), "fp32")
     n_micro = tc.global_batch // tc.micro_batch
-    for _ in range(3):
+    for _ in range(2):
         rows = torch.randint(0, mc.vocab_size, (tc.global_batch, cfg.data.seq_len + 1))
         accumulate_gradients(model, rows, torch.arange(tc.global_batch), n_micro=n_micro, micro_batch=tc.micro_batch,
                              info=DistInfo(), autocast=autocast, doc_sep=None, chunk=tc.loss_chunk_tokens)
         clip_and_step(model, optimizer, cfg.optim.clip_grad_norm)
+        step_running_stats(model)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"measured": peak - before}))
 
@@ -71,7 +77,7 @@ def main() -> None:
         params = count_params(convert(build_base(cfg.model, 0, meta=True), "affine"))
         est = memory_terms(cfg, params, world=1, bf16=False)
         out = subprocess.run([sys.executable, __file__, "--child", json.dumps(overrides)], capture_output=True,
-                             text=True, check=True)
+                             text=True, check=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
         measured = json.loads(out.stdout.strip().splitlines()[-1])["measured"]
         print(f"{name:<32} {est['peak'] / 2**20:>13.0f} {measured / 2**20:>13.0f} {est['peak'] / measured:>18.3f}")
         terms = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in est.items() if k != "peak" and v)

@@ -57,13 +57,26 @@ def model_params(mc: ModelConfig) -> int:
     return mc.vocab_size * mc.hidden_size + mc.num_layers * _layer_params(mc) + mc.hidden_size + head
 
 
-def flops_per_token(mc: ModelConfig, seq: int, params: int, forward_only: bool = False) -> float:
+def flops_per_token(*, params: int, layers: int, heads: int, head_dim: int, hidden: int, vocab: int, tied: bool,
+                    seq: int, forward_only: bool = False) -> float:
     """Model FLOPs per token: 6 N + 12 L H Q T (PaLM appendix B, as torchtitan counts), N the matmul parameters (all
     but the input embedding; the head's matmul counts even when tied); forward only: a third of it."""
-    d = mc.head_dim or mc.hidden_size // mc.num_heads
-    n = params - mc.vocab_size * mc.hidden_size + mc.vocab_size * mc.hidden_size * (1 if mc.tie_embeddings else 0)
-    full = 6 * n + 12 * mc.num_layers * mc.num_heads * d * seq
+    n = params - vocab * hidden + (vocab * hidden if tied else 0)
+    full = 6 * n + 12 * layers * heads * head_dim * seq
     return full / 3 if forward_only else full
+
+
+def sizes(mc: ModelConfig) -> dict[str, Any]:
+    """flops_per_token's size arguments of a [model] table."""
+    return dict(layers=mc.num_layers, heads=mc.num_heads, head_dim=mc.head_dim or mc.hidden_size // mc.num_heads,
+                hidden=mc.hidden_size, vocab=mc.vocab_size, tied=mc.tie_embeddings)
+
+
+def hf_sizes(c) -> dict[str, Any]:
+    """flops_per_token's size arguments of a transformers config."""
+    return dict(layers=c.num_hidden_layers, heads=c.num_attention_heads,
+                head_dim=getattr(c, "head_dim", 0) or c.hidden_size // c.num_attention_heads, hidden=c.hidden_size,
+                vocab=c.vocab_size, tied=bool(getattr(c, "tie_word_embeddings", False)))
 
 
 def teacher_config(cfg: RunConfig) -> ModelConfig | None:
@@ -124,8 +137,9 @@ def throughput(cfg: RunConfig, params: int, teacher: ModelConfig | None, gpu: st
                mfu: float = ASSUMED_MFU) -> dict[str, Any]:
     """Estimated tokens/s per GPU at an assumed MFU counting student and teacher FLOPs, and the time of the run."""
     s = cfg.data.seq_len
-    student = flops_per_token(cfg.model, s, params)
-    teach = flops_per_token(teacher, s, model_params(teacher), forward_only=True) if teacher is not None else 0.0
+    student = flops_per_token(params=params, seq=s, **sizes(cfg.model))
+    teach = (flops_per_token(params=model_params(teacher), seq=s, forward_only=True, **sizes(teacher))
+             if teacher is not None else 0.0)
     peak = GPU_PEAK[gpu]
     tok_s = mfu * peak / (student + teach)
     tokens = cfg.train.global_batch * s * cfg.train.steps
@@ -189,7 +203,8 @@ def format_dry_run(r: dict[str, Any], variant: str) -> str:
     lines.append(f"ESTIMATED throughput on {r['world']} x {t['gpu'].upper()} (bf16 dense peak "
                  f"{t['peak_flops'] / 1e12:.0f} TFLOP/s, ASSUMED MFU {t['assumed_mfu']:.0%} counting student "
                  f"{t['student_flops_per_token'] / 1e9:.1f} + teacher {t['teacher_flops_per_token'] / 1e9:.1f} "
-                 f"GFLOP/token): {t['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU (student MFU {t['student_mfu']:.0%}), "
+                 f"GFLOP/token): {t['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU (of the {t['assumed_mfu']:.0%}, student "
+                 f"{t['student_mfu']:.0%}), "
                  f"{t['run_hours']:,.1f} h for this run")
     return "\n".join(lines)
 

@@ -18,7 +18,7 @@ from .config_load import validate
 from .data import TrainBatches, data_key, eval_sequences, open_source, separator_id
 from .distributed import DistInfo, all_equal, all_reduce_sum, barrier, full_state, setup, wrap
 from .kd import Teacher
-from .metrics import MetricsLog, Progress, TokenStats, running_buffers, state_per_layer
+from .metrics import HostSyncs, MetricsLog, Progress, StepCost, TokenStats, running_buffers, state_per_layer
 from .model import base_model as start_model
 from .model import convert, count_params, function_preserving, tokenizer_spec
 from .optim import build_optimizer, set_lr
@@ -93,6 +93,9 @@ class Trainer:
         self.build_model(base_model)
         self.build_teacher()
         self.saver = checkpoint_dcp.ShardedSaver(self.info, background=tc.async_checkpoint)
+        self.cost = StepCost(self.hf_model, self.n_params, self.dc.seq_len, self.tokens_per_step, world,
+                             self.info.device, self.teacher)
+        self.syncs, self.data_wait, self.syncs_total = HostSyncs(self.info.device), 0.0, 0
         self.token_stats = TokenStats(self.model)
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.info.is_main)
         if self.info.is_main:
@@ -202,7 +205,7 @@ class Trainer:
         """After start or resume: the progress display and the wall clock of this segment of the run."""
         self.progress = Progress(self.tc.steps, self.start_step, self.tc.log_every, self.info.is_main,
                                  label=self.label)
-        self.t_seg = time.time()
+        self.t_seg, self.tokens_seg = time.time(), self.tokens_seen
 
     # --- one step -------------------------------------------------------------------------------------------
     def forward_backward(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -222,7 +225,8 @@ class Trainer:
         statistics (alpha_ma) take one EMA step from every micro-batch of this step on every rank."""
         step_running_stats(self.hf_model)
 
-    def log_step(self, step: int, sums: torch.Tensor, lr: float, grad_norm: float, dt: float) -> dict[str, Any]:
+    def log_step(self, step: int, sums: torch.Tensor, lr: float, grad_norm: float, dt: float,
+                 cost: dict[str, Any] | None = None) -> dict[str, Any]:
         """Average the losses over ranks, write the train record with the variant's statistics, update progress."""
         sums = all_reduce_sum(sums, self.info).cpu().double() / (self.n_micro * self.info.world)
         rec = {"kind": "train", "step": step, "loss": float(sums[0]), "ce_loss": float(sums[1]), "lr": lr,
@@ -230,10 +234,12 @@ class Trainer:
                "wall_time": self.wall0 + time.time() - self.t_seg}
         if self.teacher is not None:
             rec["kd_loss"] = float(sums[2])
+        rec.update(cost or {})
         rec.update(self.token_stats.collect(self.info))
         rec.update(state_per_layer(self.model))
         self.metrics.write(rec)
-        self.progress.update(step, rec["loss"], rec["tokens_per_s"])
+        # One throughput figure: tokens over wall time since this segment began (evaluation and saves included).
+        self.progress.update(step, rec["loss"], (self.tokens_seen - self.tokens_seg) / (time.time() - self.t_seg))
         if not math.isfinite(rec["loss"]):
             raise FloatingPointError(f"loss is {rec['loss']} at step {step}; lower optim.lr or check the data")
         return rec
@@ -243,13 +249,18 @@ class Trainer:
         t0 = time.time()
         lr = set_lr(self.optimizer, s, self.tc.steps, self.cfg.optim.lr, self.cfg.schedule)
         rows, ids = self.batches.next()  # (local_batch, T + 1)
-        sums = self.forward_backward(rows.to(self.info.device), ids)
-        grad_norm = self.optimizer_step()
-        self.after_optimizer_step()
+        rows = rows.to(self.info.device)
+        wait = time.time() - t0
+        with self.syncs.count():
+            sums = self.forward_backward(rows, ids)
+            grad_norm = self.optimizer_step()
+            self.after_optimizer_step()
         dt = time.time() - t0
-        self.train_time += dt
+        self.train_time, self.data_wait = self.train_time + dt, self.data_wait + wait
+        self.syncs_total += self.syncs.last or 0
         self.tokens_seen += self.tokens_per_step
-        self.log_step(s + 1, sums, lr, grad_norm, dt)
+        self.log_step(s + 1, sums, lr, grad_norm, dt,
+                      {"data_wait_s": wait, "host_syncs": self.syncs.last, **self.cost.record(dt)})
 
     # --- evaluation and checkpoints -------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict[str, Any]:
@@ -299,13 +310,21 @@ class Trainer:
                   "qk_logit_mean": ev["qk_logit_mean"] if ev else None,
                   "tokens_per_s": (self.tokens_per_step * (tc.steps - self.start_step) / self.train_time
                                    if self.train_time else None),
-                  "document_mask": self.dc.document_mask,
+                  "document_mask": self.dc.document_mask, **self.run_cost(),
                   "train_time_s": self.train_time, "wall_time_s": self.wall0 + time.time() - self.t_seg,
                   "process_time_s": time.time() - self.t_start, "alpha_ma_max_rank_diff": rank_diff}
         self.metrics.write({"kind": "end", "step": tc.steps, **result})
         if info.is_main:
             atomic_write_json(self.out_dir / "result.json", result)  # compare --resume trusts it by its presence
         return result
+
+    def run_cost(self) -> dict[str, Any]:
+        """MFU, data wait and host syncs over the steps this process trained (None where not measured)."""
+        steps = self.tc.steps - self.start_step
+        if not steps or not self.train_time:
+            return {"mfu": None, "data_wait_s_per_step": None, "host_syncs_per_step": None}
+        return {"mfu": self.cost.record(self.train_time / steps)["mfu"], "data_wait_s_per_step": self.data_wait / steps,
+                "host_syncs_per_step": self.syncs_total / steps if self.syncs.on else None}
 
     def run(self) -> dict[str, Any]:
         """Start or resume, train to train.steps and finish; the run folder is given back however it ends."""
