@@ -248,8 +248,8 @@ def newest_intact(run_dir: Path, log=print) -> Path:
 
 
 def load_training_state(path: Path) -> dict[str, Any]:
-    """Read a verified format-1 checkpoint: model and optimizer state dicts, RNG, trainer_state. No pickles; only the files
-    its manifest lists."""
+    """Read a verified format-1 checkpoint: model and optimizer state dicts, RNG, trainer_state. No pickles; only the
+    files its manifest lists."""
     path = Path(path)
     manifest, problem = _manifest(path)
     if problem:

@@ -158,10 +158,10 @@ def dry_run(cfg: RunConfig, world: int = 1, gpu: str = "h200") -> dict[str, Any]
     counts = {v: count_params(convert(base, v, variant_options(cfg, v), function_preserving=keep)) for v in variants}
     if cfg.model.init_from:  # the estimate reads the sizes of the model it starts from
         c = base.config
-        sizes = dict(arch=c.model_type, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
-                     vocab_size=c.vocab_size, intermediate_size=c.intermediate_size, num_heads=c.num_attention_heads,
-                     num_kv_heads=c.num_key_value_heads, head_dim=getattr(c, "head_dim", 0) or 0)
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **sizes))
+        dims = dict(arch=c.model_type, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
+                    vocab_size=c.vocab_size, intermediate_size=c.intermediate_size, num_heads=c.num_attention_heads,
+                    num_kv_heads=c.num_key_value_heads, head_dim=getattr(c, "head_dim", 0) or 0)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **dims))
     tc = cfg.train
     if tc.global_batch % (tc.micro_batch * world):
         raise ValueError(f"train.global_batch ({tc.global_batch}) must be a multiple of train.micro_batch "
@@ -203,9 +203,8 @@ def format_dry_run(r: dict[str, Any], variant: str) -> str:
     lines.append(f"ESTIMATED throughput on {r['world']} x {t['gpu'].upper()} (bf16 dense peak "
                  f"{t['peak_flops'] / 1e12:.0f} TFLOP/s, ASSUMED MFU {t['assumed_mfu']:.0%} counting student "
                  f"{t['student_flops_per_token'] / 1e9:.1f} + teacher {t['teacher_flops_per_token'] / 1e9:.1f} "
-                 f"GFLOP/token): {t['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU (of the {t['assumed_mfu']:.0%}, student "
-                 f"{t['student_mfu']:.0%}), "
-                 f"{t['run_hours']:,.1f} h for this run")
+                 f"GFLOP/token): {t['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU (of the {t['assumed_mfu']:.0%}, "
+                 f"student {t['student_mfu']:.0%}), {t['run_hours']:,.1f} h for this run")
     return "\n".join(lines)
 
 
