@@ -85,6 +85,7 @@ corpus and SmolLM2-135M need no download.
 EXAMPLES = """\
 examples (one per command; `affine-attention COMMAND --help` for its options):
   affine-attention train --config tiny --set variant.name=affine --out runs/affine
+  affine-attention export --run runs/affine --step 100 --out runs/affine-step100
   affine-attention compare --config tiny-ablation --out runs/ablation
   affine-attention report runs/ablation
   affine-attention params --preset llama-3.2-1b --variant affine

@@ -27,7 +27,9 @@ def test_fsdp_accumulation_keeps_unsharded_gradients_and_checkpointing_saves_act
     full = memory_terms(load_config("paper-1b", ["train.activation_checkpointing=false"]), p, world=8, bf16=True)
     assert full["activations"] > 5 * sharded["activations"]
     fp32 = memory_terms(load_config("paper-1b", ["train.activation_checkpointing=false"]), p, world=8, bf16=False)
-    assert fp32["activations"] == pytest.approx(2 * full["activations"])
+    assert 1.2 * full["activations"] < fp32["activations"] < 2 * full["activations"]  # the residual stays fp32
+    # Checkpointed layer inputs are the fp32 residual stream even under bf16 autocast.
+    assert sharded["activations"] > 4 * 2048 * 4 * 2048 * 16
     # The loss works on chunks: its term grows with the chunk, not with the micro-batch.
     whole = memory_terms(load_config("paper-1b", ["train.loss_chunk_tokens=0"]), p, world=8, bf16=True)
     assert whole["logits + loss"] > 5 * sharded["logits + loss"]

@@ -9,10 +9,11 @@ FSDP shard count, 1 without FSDP) was checked against peak RSS of the same confi
   gradients      4P/F fp32; under FSDP with accumulation also the unsharded 4P each rank keeps between rounds
   optimizer      8P/F AdamW exp_avg + exp_avg_sq; its foreach step briefly needs 4P/F more (not at the same time as
                  the activations, so the peak takes the larger of the two)
-  activations    saved for backward per token per layer: e (10h + 3kv + 4I) (norm outputs, q/k/v and their rotated
-                 copies, attention output, o_proj input, SwiGLU's four I-wide tensors) times L; with activation
-                 checkpointing only each layer's input (h e per token per layer) plus one layer's full set recomputed
-                 in backward; plus one layer's backward transients e (2h + 3I) per token
+  activations    saved for backward per token per layer: 4 x 6h (residual stream and norm outputs: fp32 even under
+                 autocast) + e (4h + 3kv + 4I) (q/k/v and their rotated copies, attention output, o_proj input,
+                 SwiGLU's four I-wide tensors) + in bf16 2 x 2h (autocast's copies of the matmul inputs), times L; with
+                 activation checkpointing only each layer's fp32 input (4h per token per layer) plus one layer's full
+                 set recomputed in backward; plus one layer's backward transients e (2h + 3I) per token
   logits + loss  chunked (train.loss_chunk_tokens = c, 0 = b s; kd_chunked.py): 3 c V fp32 (logits, softmax,
                  gradient) + the head gradient 4 V h + the hidden-state gradient 4 b s h
   teacher        its weights (2 or 4 bytes per teacher parameter, unsharded), one layer's forward activations and its
@@ -116,8 +117,10 @@ def memory_terms(cfg: RunConfig, params: int, world: int, bf16: bool,
         # FSDP2 keeps unsharded gradients between accumulation rounds, and all-gathers two layers ahead.
         t["gradients"] += 4 * params if n_micro > 1 else 0
         t["parameters"] += 2 * 4 * _layer_params(mc)
-    layer = tokens * e * (10 * h + 3 * _kv(mc) + 4 * inter)
-    saved = tokens * e * h * L + layer if tc.activation_checkpointing else layer * L
+    # The residual stream and the norms' outputs stay fp32 under autocast (fp32 weights): 6 h-wide tensors at 4 bytes;
+    # the projections' outputs are in e; autocast adds bf16 copies of the two norm outputs the matmuls read.
+    layer = tokens * (4 * 6 * h + e * (4 * h + 3 * _kv(mc) + 4 * inter) + (2 * 2 * h if bf16 else 0))
+    saved = tokens * 4 * h * L + layer if tc.activation_checkpointing else layer * L
     t["activations"] = saved + tokens * e * (2 * h + 3 * inter)
     c = min(tc.loss_chunk_tokens or tokens, tokens)
     t["logits + loss"] = 3 * c * V * 4 + 4 * V * h + 4 * tokens * h
