@@ -86,6 +86,7 @@ EXAMPLES = """\
 examples (one per command; `affine-attention COMMAND --help` for its options):
   affine-attention train --config tiny --set variant.name=affine --out runs/affine
   affine-attention export --run runs/affine --step 100 --out runs/affine-step100
+  affine-attention prepare-data --config paper-1b --out data/fineweb-edu-1b   (then data.train.kind = "tokens")
   affine-attention compare --config tiny-ablation --out runs/ablation
   affine-attention report runs/ablation
   affine-attention params --preset llama-3.2-1b --variant affine

@@ -197,7 +197,8 @@ def _one_error_line(out, *needles):
 
 
 def test_cli_bad_inputs_give_one_line(tiny, tmp_path):
-    from test_train_helpers import cli, sets
+    """In this process (cli.main), then the first case once more through the installed command's process."""
+    from test_train_helpers import cli, cli_in_process, sets
 
     base = sets(tiny + ["train.steps=1"])
     (tmp_path / "bad.jsonl").write_text('{"text": ["not", "a", "string"]}\n')
@@ -225,7 +226,8 @@ def test_cli_bad_inputs_give_one_line(tiny, tmp_path):
         (sets(["model.num_kv_heads=0"]) + ["--out", str(tmp_path / "o4")], ["model.num_kv_heads"]),
     ]
     for extra, needles in cases:
-        _one_error_line(cli(["train", *base, *extra], check=False), *needles)
+        _one_error_line(cli_in_process(["train", *base, *extra]), *needles)
+    _one_error_line(cli(["train", *base, *cases[0][0]], check=False), *cases[0][1])
     assert not (tmp_path / "missing").exists()  # a failed --resume creates nothing
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 9))
 
@@ -347,7 +349,7 @@ def test_pickled_weights_are_refused_by_the_loader(tmp_path, name):
 
 
 def test_eval_and_analyze_refuse_pickles_in_one_line(tmp_path):
-    from test_train_helpers import cli
+    from test_train_helpers import cli_in_process
 
     folder = tmp_path / "m"
     folder.mkdir()
@@ -356,7 +358,7 @@ def test_eval_and_analyze_refuse_pickles_in_one_line(tmp_path):
     for args in (["analyze", "--model", str(folder), "--out", str(tmp_path / "a")],
                  ["eval", "--model", str(folder), "--tokenizer", "default", "--tasks", "fixtures", "--out",
                   str(tmp_path / "e")]):
-        _one_error_line(cli(args, check=False), "pickled weights only")
+        _one_error_line(cli_in_process(args), "pickled weights only")
 
 
 # --- class 7: a saved model loads only with the function it was saved with ------------------------------------

@@ -60,6 +60,7 @@ def add_commands(subparsers) -> None:
     e.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest intact one)")
     e.add_argument("--out", required=True, help="a new folder to write")
     e.set_defaults(func=_export)
+    _add_prepare(subparsers)
 
 
 def _export(args) -> int:
@@ -68,6 +69,23 @@ def _export(args) -> int:
     path = export(args.run, args.out, args.step)
     print(f"exported {path} to {args.out}")
     return 0
+
+
+def _add_prepare(subparsers) -> None:
+    """`prepare-data` (train/prepare.py)."""
+    d = subparsers.add_parser("prepare-data", help="tokenise a config's data source once into token shards",
+                              description="Tokenise data.train (or --source eval) of a config in worker processes "
+                              "into pre-tokenised shards that `train` reads with data.train.kind = 'tokens'. "
+                              "Rerun on an interrupted folder to continue it, on a finished one to verify it.")
+    d.add_argument("--config", default="tiny", help="preset name or TOML file whose data source to prepare")
+    d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key (repeatable)")
+    d.add_argument("--out", required=True, help="folder for the shards and manifest.json")
+    d.add_argument("--source", choices=("train", "eval"), default="train", help="which source (default: train)")
+    d.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                   help="tokenizer processes (default: CPU cores - 1)")
+    d.add_argument("--shard-documents", type=int, default=100_000, help="documents per shard (default 100000)")
+    d.set_defaults(func=_prepare)
 
 
 def _out_dir(args, cfg, command: str) -> str:
@@ -98,6 +116,16 @@ def _train(args) -> int:
             if result.get(key) is not None:
                 print(f"  {key}: {result[key]:.4f}")
         print(f"  document_mask: {str(result.get('document_mask', False)).lower()} (tokens/s measured with it)")
+    return 0
+
+
+def _prepare(args) -> int:
+    from .config_load import load_config
+    from .prepare import prepare
+
+    cfg = load_config(args.config, args.overrides)
+    prepare(cfg, args.out, which=args.source, workers=args.workers, shard_documents=args.shard_documents,
+            log=lambda m: print(m, file=sys.stderr, flush=True))
     return 0
 
 

@@ -260,6 +260,9 @@ def validate(cfg: RunConfig) -> None:
     for src, name in ((d.train, "data.train"), (d.eval, "data.eval")):
         if src.kind == "files" and not src.paths:
             raise ValueError(f"{name}.kind = 'files' needs {name}.paths (a list of files or glob patterns)")
+        if src.kind == "tokens" and len(src.paths) != 1:
+            raise ValueError(f"{name}.kind = 'tokens' needs {name}.paths = [the folder written by "
+                             f"`affine-attention prepare-data`], one folder; got {src.paths}")
         if src.kind == "hub" and not src.name:
             raise ValueError(f"{name}.kind = 'hub' needs {name}.name (a datasets hub name)")
         if src.kind in ("corpus", "backcopy") and src.split not in ("train", "validation"):

@@ -71,7 +71,9 @@ class Trainer:
             self.lock = RunLock(self.out_dir)
 
     def close(self) -> None:
-        """Give the run folder back (`run` does it however it ends)."""
+        """Give the run folder back and stop reading data ahead (`run` does it however it ends)."""
+        if getattr(self, "batches", None) is not None:
+            self.batches.close()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -275,6 +277,7 @@ class Trainer:
     def save(self, step: int, final: bool) -> None:
         if self.teacher is not None:
             self.teacher.flush()
+        # The data position on every rank: a rank-split stream gathers its ranks' positions (collective).
         state = {"step": step, "data": self.batches.state_dict(), "wall_time": self.wall0 + time.time() - self.t_seg,
                  "tokens": self.tokens_seen, "config": self.cfg.to_dict(), "variant": self.variant,
                  "world_size": self.info.world}
