@@ -61,6 +61,8 @@ def test_compare_dry_run_states_the_wall_clock_of_every_variant_and_seed(capsys)
     cfg = load_config("tiny")
     assert (f"ESTIMATED compare wall clock: {len(cfg.compare.variants)} variants x 3 seed(s) x {cfg.train.steps} "
             "steps") in out and "1 x H100" in out
+    line = compare_estimate({"throughput": {"run_hours": 2.0, "gpu": "h200"}, "steps": 9000, "world": 8}, 3, 2)
+    assert "3 variants x 2 seed(s) x 9,000 steps = 12.0 h (0.5 days) on 8 x H200" in line
 
 
 def test_a_run_logs_data_wait_and_says_mfu_and_host_syncs_are_not_measured_on_cpu(tiny, tmp_path):
