@@ -85,7 +85,8 @@ def test_nonfinite_query_inputs_follow_one_rule_on_every_backend(value, placemen
             assert torch.equal(got.isnan(), want.isnan()), f"{where}: nan at {got.isnan().nonzero().tolist()}, " \
                                                            f"reference nan at {want.isnan().nonzero().tolist()}"
             fin = ~want.isnan()
-            torch.testing.assert_close(got[fin].double(), want[fin], atol=2e-5, rtol=2e-5, msg=lambda m: f"{where}: {m}")
+            torch.testing.assert_close(got[fin].double(), want[fin], atol=2e-5, rtol=2e-5,
+                                       msg=lambda m: f"{where}: {m}")
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "cpu_flash"])

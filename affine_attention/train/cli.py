@@ -21,15 +21,58 @@ def add_run_options(p: argparse.ArgumentParser, default: str = "tiny") -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact checkpoint")
 
 
+def add_dry_run_options(p: argparse.ArgumentParser) -> None:
+    """--dry-run, --world and --gpu: shared by train and compare."""
+    p.add_argument("--dry-run", action="store_true", help="print parameter counts, tokens per step, a per-term memory "
+                   "estimate and a throughput / wall-clock estimate; no data, no network")
+    p.add_argument("--world", type=int, default=None, help="--dry-run: number of GPUs to estimate for "
+                   "(default: $WORLD_SIZE or 1)")
+    p.add_argument("--gpu", choices=("h100", "h200"), default="h200", help="--dry-run: the GPU whose peak FLOP/s the "
+                   "throughput estimate uses (default: h200)")
+
+
+def dry_run(args, compare: bool = False) -> int:
+    """Print the dry run of --config (for compare also the wall clock of every variant x seed)."""
+    from .config import Range
+    from .config_load import load_config
+    from .dryrun import compare_estimate, dry_run, format_dry_run
+
+    cfg = load_config(args.config, args.overrides)
+    world = args.world if args.world is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    Range(integer=True, ge=1).check("--world", world)  # a count of GPUs, as train.* counts are checked
+    r = dry_run(cfg, world, args.gpu)
+    print(format_dry_run(r, cfg.variant.name))
+    if compare:
+        print(compare_estimate(r, len(cfg.compare.variants), args.seeds or cfg.compare.seeds))
+    return 0
+
+
 def add_commands(subparsers) -> None:
     p = subparsers.add_parser("train", help="train (or distil) a causal LM with one attention variant",
                               description="Train one variant; under torchrun uses DDP or FSDP2 (train.parallel).")
     add_run_options(p)
-    p.add_argument("--dry-run", action="store_true", help="print parameter counts, tokens per step and a memory "
-                   "estimate; no data, no network")
-    p.add_argument("--world", type=int, default=None, help="--dry-run: number of GPUs to estimate for "
-                   "(default: $WORLD_SIZE or 1)")
+    add_dry_run_options(p)
     p.set_defaults(func=_train)
+    e = subparsers.add_parser("export", help="write a run's checkpoint as a transformers folder",
+                              description="Write one checkpoint of a train run (a sharded step checkpoint or final/) "
+                              "as a transformers-loadable folder: safetensors with the variant, config, tokenizer.")
+    e.add_argument("--run", required=True, help="the run folder (train --out)")
+    e.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest intact one)")
+    e.add_argument("--out", required=True, help="a new folder to write")
+    e.set_defaults(func=_export)
+    _add_prepare(subparsers)
+
+
+def _export(args) -> int:
+    from .export import export
+
+    path = export(args.run, args.out, args.step)
+    print(f"exported {path} to {args.out}")
+    return 0
+
+
+def _add_prepare(subparsers) -> None:
+    """`prepare-data` (train/prepare.py)."""
     d = subparsers.add_parser("prepare-data", help="tokenise a config's data source once into token shards",
                               description="Tokenise data.train (or --source eval) of a config in worker processes "
                               "into pre-tokenised shards that `train` reads with data.train.kind = 'tokens'. "
@@ -64,15 +107,9 @@ def _out_dir(args, cfg, command: str) -> str:
 def _train(args) -> int:
     from .config_load import load_config
 
-    cfg = load_config(args.config, args.overrides)
     if args.dry_run:
-        from .config import Range
-        from .dryrun import dry_run, format_dry_run
-
-        world = args.world if args.world is not None else int(os.environ.get("WORLD_SIZE", "1"))
-        Range(integer=True, ge=1).check("--world", world)  # a count of GPUs, as train.* counts are checked
-        print(format_dry_run(dry_run(cfg, world), cfg.variant.name))
-        return 0
+        return dry_run(args)
+    cfg = load_config(args.config, args.overrides)
     from .distributed import teardown
     from .loop import train
 

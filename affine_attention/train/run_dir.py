@@ -20,7 +20,7 @@ from .metrics import read_log
 # A new run refuses a folder holding any of RUN_FILES (nothing is replaced silently).
 RUN_FILES = ("metrics.jsonl", "result.json", "final", "checkpoints")
 # Keys that may differ between a run and its resume (they change nothing computed).
-RESUME_FREE_KEYS = {"train.out_dir", "train.log_every", "train.threads"}
+RESUME_FREE_KEYS = {"train.out_dir", "train.log_every", "train.threads", "train.async_checkpoint"}
 FINAL_LOSS_WINDOW = 0.05  # final train loss = mean over the last 5% of steps (at least 1)
 LOCK_FILE = ".lock"
 
