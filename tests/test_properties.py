@@ -7,7 +7,6 @@ runs DEFAULT examples; `-m slow` runs SLOW more.
 """
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
