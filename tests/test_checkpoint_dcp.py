@@ -115,6 +115,14 @@ def test_export_writes_the_step_as_a_transformers_folder(tiny, tmp_path):
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "out")).__name__.startswith("Affine")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     assert (tmp_path / "out" / "tokenizer.json").is_file()
+    # The loader every command uses reads a step checkpoint as it is, non-persistent buffers (RoPE) included.
+    from affine_attention.hf.load import load_model
+
+    ids = torch.randint(0, 100, (1, 9), generator=torch.Generator().manual_seed(0))
+    step = load_model(str(tmp_path / "long" / "checkpoints" / "step-00000002"))
+    with torch.no_grad():
+        want_logits = AutoModelForCausalLM.from_pretrained(tmp_path / "short" / "final").eval()(ids).logits
+        assert torch.equal(step(ids).logits, want_logits)
     with pytest.raises(ValueError, match="exists; choose a new folder"):
         export(tmp_path / "long", tmp_path / "out", step=2)
     with pytest.raises(ValueError, match=r"has no checkpoint of step 3; it has steps \[2, 4\]"):

@@ -16,7 +16,6 @@ checkpoint is the newest one a resume sees.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import uuid
 from pathlib import Path
@@ -25,10 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..hf.sharded import STATE, distinct, reader_for
 from . import checkpoint as ckpt
 from .distributed import DistInfo, barrier, load_full_state
 
-STATE = "state"
 FORMAT = 2
 
 
@@ -66,21 +65,6 @@ def sharded_state(model, optimizer) -> tuple[dict[str, Any], list[dict], dict[st
     msd, osd = get_state_dict(model, optimizer)
     groups = osd.pop("param_groups")
     return {"model": msd, "optim": osd}, groups, distinct(msd)
-
-
-def distinct(sd: dict[str, torch.Tensor]) -> dict[str, str]:
-    """Drop from `sd`, in place, every entry whose tensor another entry already holds (a tied lm_head); returns
-    {name dropped: name kept}."""
-    seen, aliases = {}, {}
-    for name, t in list(sd.items()):
-        local = t.to_local() if hasattr(t, "to_local") else t
-        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.dtype)
-        if local.numel() and key in seen:
-            aliases[name] = seen[key]
-            del sd[name]
-        else:
-            seen[key] = name
-    return aliases
 
 
 class ShardedSaver:
@@ -155,27 +139,6 @@ class ShardedSaver:
     def _discard(self, tmp: Path) -> None:
         if self.info.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def reader_for(path: Path):
-    """DCP's safetensors reader, counting the bytes this rank reads (resume memory is ~ that)."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    class Counting(HuggingFaceStorageReader):
-        bytes_read, bytes_total = 0, 0
-
-        def read_metadata(self):
-            md = super().read_metadata()
-            self.bytes_total = sum(math.prod(m.size) * m.properties.dtype.itemsize
-                                   for m in md.state_dict_metadata.values())
-            return md
-
-        def read_data(self, plan, planner):
-            self.bytes_read += sum(math.prod(item.lengths) * self.storage_data[item.storage_index].dtype.itemsize
-                                   for item in plan.items)
-            return super().read_data(plan, planner)
-
-    return Counting(str(path))
 
 
 def load_groups(path: Path) -> list[dict]:

@@ -6,10 +6,8 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
 
 from . import checkpoint as ckpt
-from . import checkpoint_dcp
 
 # The training state of a full checkpoint that a transformers folder does not carry.
 _TRAINING_FILES = {"optimizer.safetensors", "optimizer.json", "rng.safetensors", "trainer_state.json", ckpt.MANIFEST}
@@ -61,19 +59,9 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Pat
 
 
 def _write_sharded(path: Path, tmp: Path) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from ..hf import models  # noqa: F401  registers the converted architectures
+    from ..hf.sharded import load_sharded_model
 
-    config = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty gives a tied head storage of its own
-    sd = model.state_dict()
-    checkpoint_dcp.distinct(sd)
-    # DCP reads only the model's tensors (the optimizer's stay on disk), straight into the model's storage.
-    reader = checkpoint_dcp.reader_for(path / checkpoint_dcp.STATE)
-    torch.distributed.checkpoint.load({"model": sd}, storage_reader=reader, no_dist=True)
-    model.save_pretrained(tmp)
+    load_sharded_model(path).save_pretrained(tmp)
     AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
