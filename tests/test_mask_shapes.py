@@ -48,3 +48,14 @@ def test_converted_softmax_reads_every_mask_shape_as_the_unconverted_model(shape
             return
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4,
                                msg=lambda m: f"{shape}: converted logits differ from the unconverted model's: {m}")
+
+
+@pytest.mark.parametrize("mask", [object(), torch.zeros(B, 1, T, T), torch.ones(B, T, T, dtype=torch.bool)],
+                         ids=["blockmask_like", "float_4d", "bool_3d"])
+def test_masks_the_seam_cannot_read_are_refused_by_name(mask):
+    """A BlockMask-like object, a float 4D mask or a 3D mask reaching the attention function is a ValueError that
+    names the mask, never read as something else."""
+    from affine_attention.hf.attention import _variant_mask
+
+    with pytest.raises(ValueError, match="mask"):
+        _variant_mask(mask, B, T, T, training=False)
