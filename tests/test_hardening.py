@@ -302,20 +302,26 @@ def test_malformed_manifest_falls_back_to_the_previous_checkpoint(two_checkpoint
 
 
 def test_unlisted_files_are_never_loaded_and_partial_saves_are_cleaned(two_checkpoints):
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
+    from affine_attention.hf.load import load_model
     from affine_attention.train import checkpoint as ckpt
 
     cfg, run = two_checkpoints
     newest = run / "checkpoints" / "step-00000003"
-    real = load_file(str(newest / "model.safetensors"))
-    # A planted safetensors file whose names match real weights: listed nowhere, so never loaded.
-    save_file({k: torch.full_like(v, 7.0) for k, v in real.items() if v.is_floating_point()},
-              str(newest / "model-planted.safetensors"))
+    real = load_model(str(newest)).state_dict()
+    # A planted DCP shard beside the real one, holding the same tensors (same header) with other values: listed
+    # nowhere, so never loaded.
+    shard = next((newest / "state").glob("*.safetensors"))
+    with safe_open(str(shard), "pt") as f:
+        header = f.metadata()
+    planted = newest / "state" / shard.name.replace("shard-00001", "shard-00002")
+    save_file({k: torch.full_like(v, 7.0) for k, v in load_file(str(shard)).items()}, str(planted), metadata=header)
     said = []
     assert ckpt.newest_intact(run, log=said.append) == newest
-    assert any("ignoring 1 file(s)" in m and "model-planted.safetensors" in m for m in said)
-    loaded = ckpt.load_training_state(newest)["model"]
+    assert any("ignoring 1 file(s)" in m and planted.name in m for m in said), said
+    loaded = load_model(str(newest)).state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in real.items())
     # What killed saves leave: a finished temporary folder whose rename was lost is restored, the rest removed.
     done = run / "checkpoints" / ".tmp-step-00000004-deadbeef"

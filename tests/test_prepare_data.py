@@ -238,3 +238,15 @@ def test_the_embedded_corpus_prepares_offline(tok, tmp_path):
     assert torch.equal(got, eval_sequences(cfg.data.eval, tok, cfg.data, n))
     with pytest.raises(ValueError, match="holds only"):
         eval_sequences(SourceConfig(kind="tokens", paths=[str(tmp_path / "val")]), tok, cfg.data, n + 1)
+
+
+@pytest.mark.parametrize("out, match", [("", "--out is empty"), ("afile", "is an existing file, not a folder")])
+def test_a_bad_out_is_one_error_line_before_any_work(out, match, tmp_path, monkeypatch):
+    """`--out ""` once prepared into the current folder; `--out FILE` ended in a FileExistsError traceback."""
+    from test_train_helpers import cli_in_process
+
+    monkeypatch.chdir(tmp_path)  # where an empty --out would write
+    (tmp_path / "afile").write_text("x")
+    done = cli_in_process(["prepare-data", "--out", str(tmp_path / out) if out else ""])
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert [line for line in done.stderr.splitlines() if "error:" in line and match in line], done.stderr

@@ -220,12 +220,16 @@ class TrainConfig:
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun
     activation_checkpointing: bool = False
     compile: bool = False
+    # Tokens per chunk of the output layer and loss (train/kd_chunked.py): logits exist for this many tokens at a time,
+    # never for a whole micro-batch (liger-kernel's fused linear losses; ~256 suits vocab 128k, hidden 2k).
+    loss_chunk_tokens: int = count(256, ge=0, note="0: all tokens of a micro-batch at once")
     threads: int = count(0, ge=0, note="0 keeps torch's default")  # torch intra-op threads
     out_dir: str = ""  # "" -> runs/train-<timestamp>
     log_every: int = count(10, ge=1)  # plain progress lines when stderr is not a terminal
     eval_every: int = count(100, ge=0, note="0: only at the end")  # held-out loss and the query-key logit probe
     checkpoint_every: int = count(0, ge=0, note="0: only the final checkpoint")
     keep_checkpoints: int = count(2, ge=1)  # newest N step checkpoints kept (the final one is always kept)
+    async_checkpoint: bool = False  # step checkpoints written by a background thread (checkpoint_dcp.py)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._files import atomic_write_bytes
 from ..text import documents as text_documents
 from .config import DataConfig, SourceConfig
 from .packed import PackedArray
@@ -86,7 +88,9 @@ def token_stream(src: SourceConfig, tok, cache_dir: str, sep: int) -> tuple[np.n
     key = h.hexdigest()
     path = Path(cache_dir).expanduser() / f"{key}.npy" if cache_dir else None
     if path is not None and path.is_file():
-        return np.load(path, allow_pickle=False), key
+        cached = _read_token_cache(path)
+        if cached is not None:
+            return cached, key
     chunks = []
     for i in range(0, len(docs), TOKENIZE_BATCH):
         chunks.extend(np.asarray(x, dtype=np.int32) for x in tokenize_documents(tok, docs[i:i + TOKENIZE_BATCH], sep))
@@ -96,8 +100,32 @@ def token_stream(src: SourceConfig, tok, cache_dir: str, sep: int) -> tuple[np.n
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
             np.save(f, tokens, allow_pickle=False)
+        atomic_write_bytes(_checksum_path(path), _token_digest(tokens).encode())  # before the tokens appear
         os.replace(tmp, path)
     return tokens, key
+
+
+def _checksum_path(path: Path) -> Path:
+    return path.with_suffix(".sha256")
+
+
+def _token_digest(tokens: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest()
+
+
+def _read_token_cache(path: Path) -> np.ndarray | None:
+    """The cached tokens (N,) int32, checked against the checksum written beside them; None, with a notice on
+    stderr, when the file is truncated, damaged or has no checksum (an older cache): the caller rebuilds it."""
+    try:
+        tokens = np.load(path, allow_pickle=False)
+        ok = _token_digest(tokens) == _checksum_path(path).read_text().strip()
+        reason = "its checksum does not match"
+    except (OSError, ValueError, EOFError) as err:
+        ok, reason = False, f"{type(err).__name__}: {err}"
+    if ok:
+        return tokens
+    print(f"notice: token cache {path} is unusable ({reason}); rebuilding it", file=sys.stderr, flush=True)
+    return None
 
 
 # --- streamed sources ------------------------------------------------------------------------------------------

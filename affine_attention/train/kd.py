@@ -9,6 +9,10 @@ student keeps its full-vocabulary log-probabilities: KL~ = sum_{j in top-k} p~_j
 when the teacher puts no mass outside its top k; otherwise it drops the tail's contribution and slightly
 over-weights the head. KL~ >= 0, and it is 0 only when the student matches p~ exactly on the support.
 The cached and the live teacher give identical values for the same k (the cache stores the teacher's own dtype).
+
+These full-logits functions are the reference; training computes the same loss in token chunks (kd_chunked.py).
+The live teacher runs under torch.no_grad without a KV cache and hands over its final hidden states, so its logits
+are made chunk by chunk too; one full copy of it per rank (not sharded), in teacher_dtype.
 """
 from __future__ import annotations
 
@@ -19,31 +23,38 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._compat import float_acc
 from .config import KDConfig
+from .kd_chunked import final_hidden, output_head, topk_chunked
 from .packing import model_inputs
 from .pretrained import load_causal_lm, load_tokenizer, resolve, teacher_identity
 
 
+def _acc(x: Tensor) -> Tensor:
+    """x in float32, or float64 when it is float64 (the float64 tests of the chunked loss compare against these)."""
+    return x.to(float_acc(x.dtype))
+
+
 def kd_loss_full(student_logits: Tensor, teacher_logits: Tensor, temperature: float) -> Tensor:
-    """T^2 * mean over tokens of KL(p_t || q_s). student_logits, teacher_logits: (..., V). Returns a float32 scalar."""
+    """T^2 * mean over tokens of KL(p_t || q_s). student_logits, teacher_logits: (..., V). A float32 (float64) scalar."""
     t = temperature
-    log_q = F.log_softmax(student_logits.float() / t, dim=-1).flatten(0, -2)
-    log_p = F.log_softmax(teacher_logits.float() / t, dim=-1).flatten(0, -2)
+    log_q = F.log_softmax(_acc(student_logits) / t, dim=-1).flatten(0, -2)
+    log_p = F.log_softmax(_acc(teacher_logits) / t, dim=-1).flatten(0, -2)
     return (t * t) * F.kl_div(log_q, log_p, log_target=True, reduction="sum") / log_q.shape[0]
 
 
 def kd_loss_topk(student_logits: Tensor, values: Tensor, indices: Tensor, temperature: float) -> Tensor:
     """Top-k KD (module docstring). student_logits: (..., V); values, indices: (..., k) teacher logits and ids."""
     t = temperature
-    log_q = F.log_softmax(student_logits.float() / t, dim=-1).gather(-1, indices.long())  # (..., k)
-    log_p = F.log_softmax(values.float() / t, dim=-1)
+    log_q = F.log_softmax(_acc(student_logits) / t, dim=-1).gather(-1, indices.long())  # (..., k)
+    log_p = F.log_softmax(_acc(values) / t, dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
     return (t * t) * kl.mean()
 
 
 def ce_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean next-token cross-entropy: logits (B, T, V), targets (B, T) int64."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return F.cross_entropy(_acc(logits).flatten(0, 1), targets.flatten())
 
 
 def vocab_fingerprint(tok) -> tuple[str, int]:
@@ -79,9 +90,10 @@ class Teacher:
     """
 
     def __init__(self, cfg: KDConfig, *, student_tok, student_tok_spec: str, student_vocab: int, data_key: str,
-                 seq_len: int, device: torch.device, rank: int = 0, doc_sep: int | None = None):
+                 seq_len: int, device: torch.device, rank: int = 0, doc_sep: int | None = None, chunk: int = 256):
         # doc_sep: the separator id under document masking; the teacher then sees the student's document boundaries.
         self.cfg, self.device, self.rank, self.doc_sep = cfg, device, rank, doc_sep
+        self.chunk = chunk  # tokens per chunk of the live top-k (train.loss_chunk_tokens)
         self.dtype = teacher_dtype(cfg, device)
         self._model = None
         self.cache = None
@@ -116,14 +128,18 @@ class Teacher:
 
     @torch.no_grad()
     def _forward(self, inputs: Tensor) -> dict[str, Tensor]:
-        logits = self.model(**model_inputs(inputs.to(self.device), self.doc_sep)).logits  # (B, T, V)
+        """The teacher's final hidden states and head ({"hidden", "head"}: logits are made chunk by chunk in the
+        loss), or its top k logits per token, made chunk by chunk here. Never a KV cache: one forward per batch."""
+        model_kwargs = {**model_inputs(inputs.to(self.device), self.doc_sep), "use_cache": False}
+        hidden = final_hidden(self.model, model_kwargs)  # (B, T, Ht)
+        head = output_head(self.model)
         if self.cfg.top_k == 0:
-            return {"logits": logits}
-        values, indices = logits.topk(self.cfg.top_k, dim=-1)
-        return {"values": values, "indices": indices.to(torch.int32)}
+            return {"hidden": hidden, "head": head}
+        return topk_chunked(hidden, head, self.cfg.top_k, self.chunk)
 
     def targets(self, inputs: Tensor, ids: Tensor) -> dict[str, Tensor]:
-        """inputs: (B, T) int64, ids: (B,) sequence ids -> {"logits": (B, T, V)} or {"values", "indices": (B, T, k)}."""
+        """inputs: (B, T) int64, ids: (B,) sequence ids -> {"hidden": (B, T, Ht), "head": OutputHead} (full KD) or
+        {"values", "indices": (B, T, k)} (top-k), as `kd_chunked.head_loss` takes them."""
         if self.cache is None:
             return self._forward(inputs)
         found = self.cache.get(ids.tolist())
@@ -136,11 +152,6 @@ class Teacher:
         values = torch.stack([v for v, _ in found]).to(self.device)
         indices = torch.stack([x for _, x in found]).to(self.device)
         return {"values": values, "indices": indices}
-
-    def loss(self, student_logits: Tensor, targets: dict[str, Tensor]) -> Tensor:
-        if "logits" in targets:
-            return kd_loss_full(student_logits, targets["logits"], self.cfg.temperature)
-        return kd_loss_topk(student_logits, targets["values"], targets["indices"], self.cfg.temperature)
 
     def flush(self) -> None:
         if self.cache is not None:

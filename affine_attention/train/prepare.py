@@ -157,7 +157,11 @@ def prepare(cfg: RunConfig, out: str | Path, *, which: str = "train", workers: i
                          "files or hub sources")
     if shard_documents < 1 or workers < 1:
         raise ValueError(f"--shard-documents and --workers must be >= 1, got {shard_documents} and {workers}")
+    if not str(out).strip():
+        raise ValueError("--out is empty; name the folder for the shards and manifest.json")
     out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is an existing file, not a folder; choose another --out")
     spec = tokenizer_spec(cfg)
     tok = load_tokenizer(spec)
     sep, dtype = separator_id(tok, cfg.data.separator), token_dtype(len(tok))

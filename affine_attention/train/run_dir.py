@@ -20,7 +20,7 @@ from .metrics import read_log
 # A new run refuses a folder holding any of RUN_FILES (nothing is replaced silently).
 RUN_FILES = ("metrics.jsonl", "result.json", "final", "checkpoints")
 # Keys that may differ between a run and its resume (they change nothing computed).
-RESUME_FREE_KEYS = {"train.out_dir", "train.log_every", "train.threads"}
+RESUME_FREE_KEYS = {"train.out_dir", "train.log_every", "train.threads", "train.async_checkpoint"}
 FINAL_LOSS_WINDOW = 0.05  # final train loss = mean over the last 5% of steps (at least 1)
 LOCK_FILE = ".lock"
 
@@ -99,6 +99,10 @@ def check_out_dir(out_dir: Path, resume: bool) -> None:
         raise ValueError(f"--out {out_dir} is an existing file, not a run folder; choose another --out")
     if resume and not out_dir.is_dir():
         raise ValueError(f"--resume: the run folder {out_dir} does not exist; pass the --out of the run to continue")
+    existing = next(p for p in (out_dir, *out_dir.absolute().parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out_dir}: {existing} is not writable (a read-only filesystem or no permission); "
+                         "choose a writable --out")
 
 
 def check_no_run(out_dir: Path) -> None:
@@ -119,17 +123,23 @@ def logged_config(out_dir: Path) -> dict[str, Any]:
     return logged["config"]
 
 
-def saved_config(out_dir: Path) -> dict[str, Any]:
-    """The config the run in out_dir was started with, as a raw config dict that --set overrides apply to (the
-    default config of --resume): a comparison's config.json, else the run log's config record. A retrofit
-    (model.init_from) keeps only init_from and function_preserving of [model]: its architecture is the pretrained
-    model's, and the other [model] keys are the defaults a loaded config reports."""
+def recorded_config(out_dir: Path) -> dict[str, Any] | None:
+    """The config the run in out_dir was started with, as recorded (a comparison's config.json, else the run log's
+    config record), or None when out_dir holds neither."""
     compare_json = out_dir / "config.json"
     if compare_json.is_file():
-        saved = read_json(compare_json, "pass --config (and --set) as the run was started")
-    elif (out_dir / "metrics.jsonl").is_file():
-        saved = logged_config(out_dir)
-    else:
+        return read_json(compare_json, "pass --config (and --set) as the run was started")
+    if (out_dir / "metrics.jsonl").is_file():
+        return logged_config(out_dir)
+    return None
+
+
+def saved_config(out_dir: Path) -> dict[str, Any]:
+    """The recorded config of the run in out_dir as a raw config dict that --set overrides apply to (the default
+    config of --resume). A retrofit (model.init_from) keeps only init_from and function_preserving of [model]: its
+    architecture is the pretrained model's, and the other [model] keys are the defaults a loaded config reports."""
+    saved = recorded_config(out_dir)
+    if saved is None:
         raise ValueError(f"--resume: {out_dir} holds neither config.json nor metrics.jsonl, so the run's config is "
                          "unknown; pass --out of a run started by train or compare, or pass --config (and --set) "
                          "as the run was started")

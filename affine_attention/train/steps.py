@@ -10,7 +10,7 @@ import torch
 
 from .config import DataConfig
 from .distributed import DistInfo, accumulation
-from .kd import ce_loss
+from .kd_chunked import final_hidden, head_loss, output_head
 from .metrics import heldout_loss, qk_logit_probe, state_per_head, sum_dtype
 from .packing import model_inputs
 
@@ -24,28 +24,25 @@ def autocast_for(device: torch.device, precision: str):
 
 
 def accumulate_gradients(model, rows: torch.Tensor, ids: torch.Tensor, *, n_micro: int, micro_batch: int,
-                         info: DistInfo, autocast, doc_sep: int | None, teacher=None,
-                         kd_alpha: float = 1.0) -> torch.Tensor:
+                         info: DistInfo, autocast, doc_sep: int | None, teacher=None, kd_alpha: float = 1.0,
+                         temperature: float = 1.0, chunk: int = 256) -> torch.Tensor:
     """Accumulate gradients over n_micro micro-batches of rows (L, T + 1) with sequence ids (L,); returns (3,)
-    sums of micro-batch means of (loss, ce, kd). With a teacher, loss = kd_alpha * kd + (1 - kd_alpha) * ce."""
+    sums of micro-batch means of (loss, ce, kd). With a teacher, loss = kd_alpha * kd + (1 - kd_alpha) * ce.
+    The loss is made from the final hidden states in chunks of `chunk` tokens (kd_chunked.head_loss)."""
     # Kept on the device: a float() per micro-batch would wait for it each time (one transfer in log_step).
     sums = torch.zeros(3, dtype=sum_dtype(info.device), device=info.device)
     for i in range(n_micro):
         sl = slice(i * micro_batch, (i + 1) * micro_batch)
         inputs, targets = rows[sl, :-1], rows[sl, 1:]
         with accumulation(model, info, sync=i == n_micro - 1):
+            teacher_targets = teacher.targets(inputs, ids[sl]) if teacher is not None else None
             with autocast():
-                logits = model(**model_inputs(inputs, doc_sep)).logits  # (b, T, V)
-            ce = ce_loss(logits, targets)
-            kd = None
-            if teacher is not None:
-                kd = teacher.loss(logits, teacher.targets(inputs, ids[sl]))
-                loss = kd_alpha * kd + (1.0 - kd_alpha) * ce
-            else:
-                loss = ce
+                hidden = final_hidden(model, model_inputs(inputs, doc_sep))  # (b, T, H)
+                # after the forward: an FSDP2 root holds its parameters (the head) unsharded until its backward
+                loss, ce, kd = head_loss(hidden, output_head(model), targets, teacher=teacher_targets,
+                                         temperature=temperature, kd_alpha=kd_alpha, chunk=chunk)
             (loss / n_micro).backward()
-        sums += torch.stack([loss.detach(), ce.detach(), kd.detach() if kd is not None else torch.zeros_like(ce)
-                             ]).to(sums.dtype)
+        sums += torch.stack([loss.detach(), ce, kd]).to(sums.dtype)
     return sums
 
 
