@@ -57,7 +57,10 @@ def test_chunked_equals_full_loss_values_and_gradients_in_float64(kind, T, alpha
     torch.testing.assert_close(gh, rh, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(gw, rw, rtol=1e-10, atol=1e-12)
     z = head.post(hidden @ weight.t()).detach()
-    assert float(ce) == pytest.approx(float(ce_loss(z[None], y[None])), rel=1e-12)
+    if kind != "ce" and alpha == 1.0 and T != 1.0:
+        assert ce.isnan()  # skipped: its weight is 0 and at T != 1 it would cost a pass of its own
+    else:
+        assert float(ce) == pytest.approx(float(ce_loss(z[None], y[None])), rel=1e-12)
     if kind == "ce":
         assert float(kd) == 0.0
     else:

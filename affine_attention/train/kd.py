@@ -90,10 +90,12 @@ class Teacher:
     """
 
     def __init__(self, cfg: KDConfig, *, student_tok, student_tok_spec: str, student_vocab: int, data_key: str,
-                 seq_len: int, device: torch.device, rank: int = 0, doc_sep: int | None = None, chunk: int = 256):
+                 seq_len: int, device: torch.device, rank: int = 0, doc_sep: int | None = None, chunk: int = 256,
+                 compile: bool = False):
         # doc_sep: the separator id under document masking; the teacher then sees the student's document boundaries.
         self.cfg, self.device, self.rank, self.doc_sep = cfg, device, rank, doc_sep
         self.chunk = chunk  # tokens per chunk of the live top-k (train.loss_chunk_tokens)
+        self.compile = compile  # compile its decoder blocks as the student's (train.compile)
         self.dtype = teacher_dtype(cfg, device)
         self._model = None
         self.cache = None
@@ -124,6 +126,10 @@ class Teacher:
     def model(self):
         if self._model is None:
             self._model = load_causal_lm(self.cfg.teacher, self.dtype, self.device)
+            if self.compile:
+                from .blocks import compile_blocks
+
+                compile_blocks(self._model)
         return self._model
 
     @torch.no_grad()

@@ -53,10 +53,11 @@ class OutputHead:
             z = torch.tanh(z / self.softcap) * self.softcap
         return z
 
-    def post_backward(self, z: Tensor, grad: Tensor) -> Tensor:
-        """d loss / d raw from d loss / d logits (grad), given the logits z = post(raw); both (n, V), in place."""
+    def post_backward(self, raw: Tensor, grad: Tensor) -> Tensor:
+        """d loss / d raw from d loss / d logits (grad, float32/64, updated in place); raw: (n, V) as in `post`."""
         if self.softcap is not None:
-            grad.mul_(1 - (z / self.softcap) ** 2)  # d/dx c tanh(x / c) = 1 - tanh^2
+            x = raw.to(grad.dtype) / (self.divide or 1.0)
+            grad.mul_(1 - torch.tanh(x / self.softcap) ** 2)  # d/dx c tanh(x / c) = 1 - tanh^2
         if self.divide is not None:
             grad.div_(self.divide)
         return grad
@@ -98,46 +99,77 @@ def _no_autocast(device: torch.device):
 
 def teacher_chunk(targets: dict, s: slice) -> dict[str, Tensor]:
     """The teacher's targets for tokens s of a flattened micro-batch. targets: {"logits": (N, V)}, {"hidden": (N, Ht),
-    "head": OutputHead} (logits made here, without gradient), or {"values", "indices": (N, k)} (top-k)."""
+    "head": OutputHead} (logits made here, without gradient), or {"values", "indices": (N, k)} (top-k). Logits come
+    back as a new float32 (float64) tensor that the loss may overwrite."""
     if "hidden" in targets:
         head: OutputHead = targets["head"]
         with torch.no_grad():
             return {"logits": head.post(F.linear(targets["hidden"][s], head.weight))}
-    return {key: targets[key][s] for key in ("logits", "values", "indices") if key in targets}
+    if "logits" in targets:
+        logits = targets["logits"][s]
+        return {"logits": logits.to(float_acc(logits.dtype), copy=True)}
+    return {key: targets[key][s] for key in ("values", "indices")}
+
+
+def _logsumexp(z: Tensor) -> Tensor:
+    """(n, V) -> (n,) with one (n, V) temporary (torch.logsumexp makes two)."""
+    peak = z.amax(dim=-1, keepdim=True)
+    return (z - peak).exp_().sum(-1).log_().add_(peak[:, 0])
 
 
 def _chunk_terms(z: Tensor, y: Tensor, teacher: dict | None, temperature: float, kd_alpha: float,
-                 want_grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """z: (n, V) student logits (float32/64), y: (n,) targets -> (d loss_sum / dz or None, ce_sum, kd_sum or None),
-    where loss_sum = kd_alpha * kd_sum + (1 - kd_alpha) * ce_sum and kd_sum = T^2 * sum over tokens of KL."""
-    t, ce_w = temperature, (1.0 - kd_alpha) if teacher is not None else 1.0
-    lse = torch.logsumexp(z, dim=-1)  # (n,)
-    ce_sum = (lse - z.gather(-1, y[:, None])[:, 0]).sum()  # logged even when its weight is 0 (no gradient then)
-    grad = None
-    if want_grad and ce_w > 0:
-        grad = torch.softmax(z, dim=-1).mul_(ce_w)
-        grad.scatter_add_(-1, y[:, None], grad.new_full((y.shape[0], 1), -ce_w))
-    if teacher is None:
-        return grad, ce_sum, None
-    log_q = z / t - (lse[:, None] / t if t == 1.0 else torch.logsumexp(z / t, dim=-1, keepdim=True))  # (n, V)
-    if "logits" in teacher:
-        log_p = torch.log_softmax(teacher["logits"].to(z.dtype) / t, dim=-1)
-        p = log_p.exp()
-        kl = (p * (log_p - log_q)).sum()
-    else:  # top-k: the teacher renormalised on its k values, the student's full-vocabulary log-probabilities
-        idx = teacher["indices"].long()
-        log_p = torch.log_softmax(teacher["values"].to(z.dtype) / t, dim=-1)  # (n, k)
-        p = log_p.exp()
-        kl = (p * (log_p - log_q.gather(-1, idx))).sum()
-    if want_grad and kd_alpha > 0:
-        # d/dz T^2 sum_j p_j (log p_j - log q_j) = T (q - p), with p zero off the top-k support
-        gk = log_q.exp_().mul_(kd_alpha * t)
+                 want_grad: bool) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """z: (n, V) student logits (float32/64; overwritten), y: (n,) targets -> (d loss_sum / dz or None, ce_sum,
+    kd_sum or None), loss_sum = kd_alpha * kd_sum + (1 - kd_alpha) * ce_sum, kd_sum = T^2 * sum over tokens of KL.
+
+    Few passes over (n, V), mostly in place: this is the loss's whole cost beside the matmuls. ce_sum is NaN when its
+    weight is 0 and T != 1 (it would cost a pass of its own); at T = 1 it shares the KD's log-sum-exp."""
+    t = temperature
+    ce_w = 1.0 - kd_alpha if teacher is not None else 1.0
+    z_y = z.gather(-1, y[:, None])[:, 0]  # (n,)
+    lse1 = _logsumexp(z) if (t != 1.0 and ce_w > 0) or teacher is None else None
+    soft1 = (z - lse1[:, None]).exp_() if want_grad and ce_w > 0 and t != 1.0 and teacher is not None else None
+    kd_sum, grad = None, None
+    if teacher is not None:
+        zs = z.div_(t) if t != 1.0 else z
+        lse = _logsumexp(zs)  # (n,)
+        lse1 = lse if t == 1.0 else lse1
         if "logits" in teacher:
-            gk.sub_(p.mul_(kd_alpha * t))
-        else:
-            gk.scatter_add_(-1, idx, p.mul_(-kd_alpha * t))
-        grad = gk if grad is None else grad.add_(gk)
-    return grad, ce_sum, (t * t) * kl
+            log_p = teacher["logits"].to(z.dtype).div_(t)  # a chunk of its own (teacher_chunk)
+            peak = log_p.amax(dim=-1, keepdim=True)
+            p = (log_p - peak).exp_()
+            norm = p.sum(-1, keepdim=True)
+            p.div_(norm)
+            log_p.sub_(norm.log_().add_(peak))
+            # sum_j p_j (log p_j - log q_j) with log q = zs - lse and sum_j p_j = 1
+            kd_sum = torch.dot(p.reshape(-1), log_p.sub_(zs).reshape(-1)) + lse.sum()
+        else:  # top-k: the teacher renormalised on its k values, the student's full-vocabulary log-probabilities
+            idx = teacher["indices"].long()
+            log_p = torch.log_softmax(teacher["values"].to(z.dtype) / t, dim=-1)  # (n, k)
+            p = log_p.exp()
+            kd_sum = (p * (log_p - zs.gather(-1, idx))).sum() + lse.sum()
+        kd_sum = (t * t) * kd_sum
+        if want_grad and kd_alpha > 0:
+            # d/dz T^2 sum_j p_j (log p_j - log q_j) = T (q - p), with p zero off the top-k support
+            grad = zs.sub_(lse[:, None]).exp_()
+            if t == 1.0 and ce_w > 0:  # the CE gradient's softmax is the same q
+                grad.mul_(kd_alpha + ce_w)
+                soft1 = None
+            else:
+                grad.mul_(kd_alpha * t)
+            if "logits" in teacher:
+                grad.sub_(p.mul_(kd_alpha * t))
+            else:
+                grad.scatter_add_(-1, idx, p.mul_(-kd_alpha * t))
+    ce_sum = (lse1 - z_y).sum() if lse1 is not None else z.new_full((), float("nan"))
+    if want_grad and ce_w > 0:
+        if grad is None:  # no teacher, or kd_alpha = 0
+            grad = soft1 if soft1 is not None else z.sub_(lse1[:, None]).exp_()
+            grad.mul_(ce_w)
+        elif soft1 is not None:
+            grad.add_(soft1.mul_(ce_w))
+        grad.scatter_add_(-1, y[:, None], grad.new_full((y.shape[0], 1), -ce_w))
+    return grad, ce_sum, kd_sum
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -159,18 +191,25 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 z = head.post(raw)
                 t_chunk = teacher_chunk(teacher, s) if teacher is not None else None
                 grad, ce_sum, kd_sum = _chunk_terms(z, targets[s], t_chunk, temperature, kd_alpha, need_h or need_w)
-                loss_sum = ce_sum if kd_sum is None else kd_alpha * kd_sum + (1 - kd_alpha) * ce_sum
+                loss_sum = ce_sum if kd_sum is None else kd_sum if kd_alpha == 1.0 else \
+                    kd_alpha * kd_sum + (1 - kd_alpha) * ce_sum
                 sums += torch.stack([loss_sum, ce_sum, kd_sum if kd_sum is not None else ce_sum.new_zeros(())]
                                     ).double()
                 if grad is not None:
-                    g = head.post_backward(z, grad).div_(n_tok).to(cdt)  # (n, V): d mean loss / d raw
-                    if need_h:
+                    g = head.post_backward(raw, grad).div_(n_tok).to(cdt)  # (n, V): d mean loss / d raw
+                    if need_h and grad_h.dtype == g.dtype:
+                        torch.mm(g, w, out=grad_h[s])
+                    elif need_h:
                         grad_h[s] = g @ w
-                    if need_w:
+                    if need_w and g.dtype == acc:
+                        grad_w.addmm_(g.t(), h)
+                    elif need_w:
                         grad_w.add_((g.t() @ h).to(acc))
                 elif need_h:
                     grad_h[s] = 0
-        ctx.save_for_backward(grad_h, grad_w)
+        # Kept on ctx, not saved tensors: backward hands them over as the only reference, so autograd stores the
+        # weight's gradient as it is instead of copying (V, H) once more.
+        ctx.grads = [grad_h, grad_w]
         ctx.weight_dtype = weight.dtype
         loss, ce, kd = (sums / n_tok).to(acc).unbind()
         ctx.mark_non_differentiable(ce, kd)
@@ -178,9 +217,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce, _grad_kd):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
-        gw = None if grad_w is None else (grad_w * grad_loss.to(grad_w.dtype)).to(ctx.weight_dtype)
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None  # a second backward through this graph would find nothing: it is not meant to run twice
+        gh = None if grad_h is None else grad_h.mul_(grad_loss.to(grad_h.dtype))
+        gw = None if grad_w is None else grad_w.mul_(grad_loss.to(grad_w.dtype)).to(ctx.weight_dtype)
         return gh, gw, None, None, None, None, None, None
 
 
@@ -190,7 +230,8 @@ def head_loss(hidden: Tensor, head: OutputHead, targets: Tensor, *, teacher: dic
 
     hidden: (..., H) final hidden states; targets: (...) int64 next tokens; teacher: see `teacher_chunk` (flattened
     to (N, ...) like hidden). chunk: tokens per chunk, 0 for all at once. Only `loss` carries a gradient (to hidden
-    and head.weight); the CE term gets none when its weight is 0; kd is 0 without a teacher."""
+    and head.weight); the CE term gets none when its weight is 0, and its value is NaN then unless T = 1 (where it
+    costs nothing); kd is 0 without a teacher."""
     if chunk < 0:
         raise ValueError(f"chunk must be >= 0 (0: all tokens at once), got {chunk}")
     flat = hidden.reshape(-1, hidden.shape[-1])
