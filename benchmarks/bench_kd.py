@@ -7,7 +7,7 @@ and backward, each case in a fresh subprocess, so it counts what the loss alloca
 weights of both models that exist before it; the head's weight gradient (V x H float32), which both paths leave in
 .grad, is included in both. Time: median of paired ratios over --repeats interleaved runs.
 
-    python benchmarks/bench_kd.py                                   # 1 x 2048 tokens, hidden 1024, chunk 256
+    python benchmarks/bench_kd.py                                   # 2048 tokens, hidden 1024, the default chunk
     python benchmarks/bench_kd.py --tokens 4096 --hidden 2048 --vocab 32000
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import emit, paired_ratios  # noqa: E402
 
 from affine_attention.train.kd import kd_loss_full  # noqa: E402
-from affine_attention.train.kd_chunked import OutputHead, head_loss  # noqa: E402
+from affine_attention.train.kd_chunked import CHUNK_TOKENS, OutputHead, head_loss  # noqa: E402
 
 
 def _inputs(tokens: int, hidden: int, vocab: int):
@@ -68,7 +68,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
-    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--chunk", type=int, default=CHUNK_TOKENS)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--case", choices=["full", "chunked"], help=argparse.SUPPRESS)  # one subprocess's case
     p.add_argument("--out", default=None)

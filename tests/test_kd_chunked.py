@@ -111,6 +111,13 @@ def test_gradients_through_a_tiny_model_with_tied_embeddings_match_the_full_loss
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
+def test_the_configs_default_chunk_is_the_losss():
+    from affine_attention.train.config import TrainConfig
+    from affine_attention.train.kd_chunked import CHUNK_TOKENS
+
+    assert TrainConfig().loss_chunk_tokens == CHUNK_TOKENS
+
+
 def test_a_negative_chunk_is_refused():
     with pytest.raises(ValueError, match="chunk must be >= 0"):
         head_loss(torch.zeros(2, 3), OutputHead(torch.zeros(4, 3)), torch.zeros(2, dtype=torch.long), chunk=-1)

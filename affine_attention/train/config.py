@@ -225,8 +225,8 @@ class TrainConfig:
     activation_checkpointing_every: int = count(1, ge=1, note="1: every block")
     compile: bool = False  # torch.compile each decoder block (and the live teacher's), train/blocks.py
     # Tokens per chunk of the output layer and loss (train/kd_chunked.py): logits exist for this many tokens at a time,
-    # never for a whole micro-batch (liger-kernel's fused linear losses; ~256 suits vocab 128k, hidden 2k).
-    loss_chunk_tokens: int = count(256, ge=0, note="0: all tokens of a micro-batch at once")
+    # never for a whole micro-batch (liger-kernel's fused linear losses): ~3 x 4 x chunk x vocab bytes at a time.
+    loss_chunk_tokens: int = count(128, ge=0, note="0: all tokens of a micro-batch at once")
     threads: int = count(0, ge=0, note="0 keeps torch's default")  # torch intra-op threads
     out_dir: str = ""  # "" -> runs/train-<timestamp>
     log_every: int = count(10, ge=1)  # plain progress lines when stderr is not a terminal

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .._compat import float_acc
 from .config import KDConfig
-from .kd_chunked import final_hidden, output_head, topk_chunked
+from .kd_chunked import CHUNK_TOKENS, final_hidden, output_head, topk_chunked
 from .packing import model_inputs
 from .pretrained import load_causal_lm, load_tokenizer, resolve, teacher_identity
 
@@ -90,7 +90,7 @@ class Teacher:
     """
 
     def __init__(self, cfg: KDConfig, *, student_tok, student_tok_spec: str, student_vocab: int, data_key: str,
-                 seq_len: int, device: torch.device, rank: int = 0, doc_sep: int | None = None, chunk: int = 256,
+                 seq_len: int, device: torch.device, rank: int = 0, doc_sep: int | None = None, chunk: int = CHUNK_TOKENS,
                  compile: bool = False):
         # doc_sep: the separator id under document masking; the teacher then sees the student's document boundaries.
         self.cfg, self.device, self.rank, self.doc_sep = cfg, device, rank, doc_sep

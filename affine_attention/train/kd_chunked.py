@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from .._compat import float_acc
 
+CHUNK_TOKENS = 128  # the default chunk (train.loss_chunk_tokens)
 _NO_POSITIONS = torch.empty(0, dtype=torch.long)  # logits_to_keep that keeps no position: the model computes no logits
 
 
@@ -122,54 +123,68 @@ def _chunk_terms(z: Tensor, y: Tensor, teacher: dict | None, temperature: float,
     """z: (n, V) student logits (float32/64; overwritten), y: (n,) targets -> (d loss_sum / dz or None, ce_sum,
     kd_sum or None), loss_sum = kd_alpha * kd_sum + (1 - kd_alpha) * ce_sum, kd_sum = T^2 * sum over tokens of KL.
 
-    Few passes over (n, V), mostly in place: this is the loss's whole cost beside the matmuls. ce_sum is NaN when its
-    weight is 0 and T != 1 (it would cost a pass of its own); at T = 1 it shares the KD's log-sum-exp."""
+    In place where it can be, with torch's row-wise fused log-softmax: at most three (n, V) tensors live (student,
+    teacher, teacher probabilities). ce_sum is NaN when its weight is 0 and T != 1 (it would cost a pass of its own);
+    at T = 1 it is read off the KD's log-probabilities."""
     t = temperature
     ce_w = 1.0 - kd_alpha if teacher is not None else 1.0
-    z_y = z.gather(-1, y[:, None])[:, 0]  # (n,)
-    lse1 = _logsumexp(z) if (t != 1.0 and ce_w > 0) or teacher is None else None
-    soft1 = (z - lse1[:, None]).exp_() if want_grad and ce_w > 0 and t != 1.0 and teacher is not None else None
-    kd_sum, grad = None, None
+    n = y.shape[0]
+    ce_sum = z.new_full((), float("nan"))
+    soft1 = None  # softmax(z) for the CE gradient when the KD works at another temperature
+    if teacher is not None and t != 1.0 and ce_w > 0:
+        lse1 = _logsumexp(z)
+        ce_sum = (lse1 - z.gather(-1, y[:, None])[:, 0]).sum()
+        soft1 = (z - lse1[:, None]).exp_() if want_grad else None
+    log_q = torch.log_softmax(z.div_(t) if t != 1.0 else z, dim=-1, out=z)  # (n, V), at temperature T
+    if t == 1.0:
+        ce_sum = -log_q.gather(-1, y[:, None]).sum()
+    kd_sum = None
     if teacher is not None:
-        zs = z.div_(t) if t != 1.0 else z
-        lse = _logsumexp(zs)  # (n,)
-        lse1 = lse if t == 1.0 else lse1
         if "logits" in teacher:
-            log_p = teacher["logits"].to(z.dtype).div_(t)  # a chunk of its own (teacher_chunk)
-            peak = log_p.amax(dim=-1, keepdim=True)
-            p = (log_p - peak).exp_()
-            norm = p.sum(-1, keepdim=True)
-            p.div_(norm)
-            log_p.sub_(norm.log_().add_(peak))
-            # sum_j p_j (log p_j - log q_j) with log q = zs - lse and sum_j p_j = 1
-            kd_sum = torch.dot(p.reshape(-1), log_p.sub_(zs).reshape(-1)) + lse.sum()
+            log_p = teacher["logits"].to(z.dtype)  # a chunk of its own (teacher_chunk): overwritten
+            log_p = torch.log_softmax(log_p.div_(t) if t != 1.0 else log_p, dim=-1, out=log_p)
+            p = log_p.exp()
+            kd_sum = torch.dot(p.reshape(-1), log_p.sub_(log_q).reshape(-1))  # sum p (log p - log q)
+            del log_p
         else:  # top-k: the teacher renormalised on its k values, the student's full-vocabulary log-probabilities
             idx = teacher["indices"].long()
             log_p = torch.log_softmax(teacher["values"].to(z.dtype) / t, dim=-1)  # (n, k)
             p = log_p.exp()
-            kd_sum = (p * (log_p - zs.gather(-1, idx))).sum() + lse.sum()
+            kd_sum = (p * (log_p - log_q.gather(-1, idx))).sum()
         kd_sum = (t * t) * kd_sum
-        if want_grad and kd_alpha > 0:
-            # d/dz T^2 sum_j p_j (log p_j - log q_j) = T (q - p), with p zero off the top-k support
-            grad = zs.sub_(lse[:, None]).exp_()
-            if t == 1.0 and ce_w > 0:  # the CE gradient's softmax is the same q
-                grad.mul_(kd_alpha + ce_w)
-                soft1 = None
-            else:
-                grad.mul_(kd_alpha * t)
-            if "logits" in teacher:
-                grad.sub_(p.mul_(kd_alpha * t))
-            else:
-                grad.scatter_add_(-1, idx, p.mul_(-kd_alpha * t))
-    ce_sum = (lse1 - z_y).sum() if lse1 is not None else z.new_full((), float("nan"))
-    if want_grad and ce_w > 0:
-        if grad is None:  # no teacher, or kd_alpha = 0
-            grad = soft1 if soft1 is not None else z.sub_(lse1[:, None]).exp_()
-            grad.mul_(ce_w)
-        elif soft1 is not None:
-            grad.add_(soft1.mul_(ce_w))
-        grad.scatter_add_(-1, y[:, None], grad.new_full((y.shape[0], 1), -ce_w))
+    if not want_grad:
+        return None, ce_sum, kd_sum
+    # d/dz of T^2 sum_j p_j (log p_j - log q_j) is T (q - p) (p zero off a top-k support); of CE: softmax(z) - onehot
+    grad = log_q.exp_()  # q
+    if teacher is None or kd_alpha == 0:
+        grad = grad if soft1 is None else soft1
+        grad.mul_(ce_w)
+    else:
+        a = kd_alpha * t
+        grad.mul_(a + (ce_w if t == 1.0 else 0.0))  # at T = 1 the CE's softmax is q itself
+        if "logits" in teacher:
+            grad.sub_(p, alpha=a)
+        else:
+            grad.scatter_add_(-1, idx, p.mul_(-a))
+        if soft1 is not None:
+            grad.add_(soft1, alpha=ce_w)
+    if ce_w > 0:
+        grad.scatter_add_(-1, y[:, None], grad.new_full((n, 1), -ce_w))
     return grad, ce_sum, kd_sum
+
+
+def _one_chunk(hidden, w, head, targets, teacher, s, cdt, temperature, kd_alpha, want_grad):
+    """The loss sums of tokens s and, with want_grad, d mean-loss numerator / d raw logits of the chunk (n, V) in
+    cdt, with h = hidden[s] in cdt. A function of its own so that each chunk's (n, V) tensors die at its end."""
+    h = hidden[s].to(cdt)
+    raw = F.linear(h, w)  # (n, V)
+    t_chunk = teacher_chunk(teacher, s) if teacher is not None else None
+    grad, ce_sum, kd_sum = _chunk_terms(head.post(raw), targets[s], t_chunk, temperature, kd_alpha, want_grad)
+    del t_chunk
+    loss_sum = ce_sum if kd_sum is None else kd_sum if kd_alpha == 1.0 else kd_alpha * kd_sum + (1 - kd_alpha) * ce_sum
+    if grad is not None:
+        grad = head.post_backward(raw, grad).to(cdt)
+    return h, grad, torch.stack([loss_sum, ce_sum, kd_sum if kd_sum is not None else ce_sum.new_zeros(())])
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -181,32 +196,27 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=dev) if need_w else None
-        sums = torch.zeros(3, dtype=torch.float64, device=dev)  # loss, ce, kd (sums over tokens)
+        # loss, ce, kd: sums over tokens (float64; MPS has none)
+        sums = torch.zeros(3, dtype=torch.float32 if dev.type == "mps" else torch.float64, device=dev)
         w = weight.to(cdt)
         with _no_autocast(dev):
             for start in range(0, n_tok, chunk or n_tok):
                 s = slice(start, start + (chunk or n_tok))
-                h = hidden[s].to(cdt)
-                raw = F.linear(h, w)  # (n, V)
-                z = head.post(raw)
-                t_chunk = teacher_chunk(teacher, s) if teacher is not None else None
-                grad, ce_sum, kd_sum = _chunk_terms(z, targets[s], t_chunk, temperature, kd_alpha, need_h or need_w)
-                loss_sum = ce_sum if kd_sum is None else kd_sum if kd_alpha == 1.0 else \
-                    kd_alpha * kd_sum + (1 - kd_alpha) * ce_sum
-                sums += torch.stack([loss_sum, ce_sum, kd_sum if kd_sum is not None else ce_sum.new_zeros(())]
-                                    ).double()
-                if grad is not None:
-                    g = head.post_backward(raw, grad).div_(n_tok).to(cdt)  # (n, V): d mean loss / d raw
-                    if need_h and grad_h.dtype == g.dtype:
-                        torch.mm(g, w, out=grad_h[s])
-                    elif need_h:
-                        grad_h[s] = g @ w
-                    if need_w and g.dtype == acc:
-                        grad_w.addmm_(g.t(), h)
-                    elif need_w:
-                        grad_w.add_((g.t() @ h).to(acc))
+                h, g, chunk_sums = _one_chunk(hidden, w, head, targets, teacher, s, cdt, temperature, kd_alpha,
+                                              need_h or need_w)
+                sums += chunk_sums.to(sums.dtype)
+                if g is None:  # nothing asks for a gradient
+                    continue
+                g.div_(n_tok)  # (n, V): d mean loss / d raw logits
+                if need_h and grad_h.dtype == g.dtype:
+                    torch.mm(g, w, out=grad_h[s])
                 elif need_h:
-                    grad_h[s] = 0
+                    grad_h[s] = g @ w
+                if need_w and g.dtype == acc:
+                    grad_w.addmm_(g.t(), h)
+                elif need_w:
+                    grad_w.add_((g.t() @ h).to(acc))
+                del g
         # Kept on ctx, not saved tensors: backward hands them over as the only reference, so autograd stores the
         # weight's gradient as it is instead of copying (V, H) once more.
         ctx.grads = [grad_h, grad_w]
@@ -225,7 +235,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
 
 def head_loss(hidden: Tensor, head: OutputHead, targets: Tensor, *, teacher: dict | None = None,
-              temperature: float = 1.0, kd_alpha: float = 1.0, chunk: int = 256) -> tuple[Tensor, Tensor, Tensor]:
+              temperature: float = 1.0, kd_alpha: float = 1.0, chunk: int = CHUNK_TOKENS) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, ce, kd) means over tokens; loss = kd_alpha * kd + (1 - kd_alpha) * ce with a teacher, ce without.
 
     hidden: (..., H) final hidden states; targets: (...) int64 next tokens; teacher: see `teacher_chunk` (flattened
