@@ -73,8 +73,8 @@ def test_selective_checkpointing_recomputes_every_kth_block_only():
 def test_two_process_fsdp_compiled_checkpointed_training_equals_eager(tiny_run, tmp_path, monkeypatch):
     from torchrun_helpers import torchrun
 
-    common = tiny_run + ["train.steps=3", "train.global_batch=4", "train.micro_batch=1", "variant.name='affine'",
-                         "train.parallel='fsdp'", "train.eval_every=3"]
+    common = tiny_run + ["train.steps=2", "train.global_batch=4", "train.micro_batch=1", "variant.name='affine'",
+                         "train.parallel='fsdp'", "train.eval_every=2"]
     outs = {}
     for name, extra in (("eager", []), ("compiled", ["train.compile=true", "train.activation_checkpointing=true"])):
         monkeypatch.setenv("TORCH_LOGS", "graph_breaks")

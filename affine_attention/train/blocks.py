@@ -35,10 +35,11 @@ def checkpoint_blocks(model: nn.Module, every: int) -> list[int]:
 
 
 def compile_blocks(model: nn.Module, **compile_kwargs) -> int:
-    """torch.compile every decoder layer in place; returns how many."""
+    """torch.compile every decoder layer in place, fullgraph by default (a graph break inside a block is an error,
+    not a silent slow path); returns how many."""
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile(**compile_kwargs)
+        layer.compile(**{"fullgraph": True, **compile_kwargs})
     return len(layers)
 
 
