@@ -22,7 +22,7 @@ DEFAULT_COMPARE = "sink-probe"
 
 def _add_compare(sub) -> None:
     """`compare` spans two floors (train, then the analysis report), so it is defined here, above both."""
-    from .train.cli import add_run_options
+    from .train.cli import add_dry_run_options, add_run_options
 
     c = sub.add_parser("compare", help="train every variant from the same start and summarise",
                        description="Train each variant of [compare].variants with the same seed, initial "
@@ -31,6 +31,7 @@ def _add_compare(sub) -> None:
                        "softmax forms an attention sink); --config tiny runs the language-model comparison.")
     add_run_options(c, DEFAULT_COMPARE)
     c.add_argument("--seeds", type=int, default=None, help="number of seeds (default: compare.seeds)")
+    add_dry_run_options(c)
     c.add_argument("--no-report", dest="report", action="store_false",
                    help="skip report.md / report.html (regenerate later with `affine-attention report RUN_DIR`)")
     c.add_argument("--tasks", default=None, help="zero-shot tasks for every final checkpoint (lm-eval names, "
@@ -44,7 +45,10 @@ def _add_compare(sub) -> None:
 
 
 def _compare(args) -> int:
-    from .train.cli import run_compare
+    from .train.cli import dry_run, run_compare
+
+    if args.dry_run:
+        return dry_run(args, compare=True)
 
     if args.tasks:
         from .eval.runs import check_tasks
@@ -81,6 +85,8 @@ corpus and SmolLM2-135M need no download.
 EXAMPLES = """\
 examples (one per command; `affine-attention COMMAND --help` for its options):
   affine-attention train --config tiny --set variant.name=affine --out runs/affine
+  affine-attention export --run runs/affine --step 100 --out runs/affine-step100
+  affine-attention prepare-data --config paper-1b --out data/fineweb-edu-1b   (then data.train.kind = "tokens")
   affine-attention compare --config tiny-ablation --out runs/ablation
   affine-attention report runs/ablation
   affine-attention params --preset llama-3.2-1b --variant affine

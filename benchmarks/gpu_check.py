@@ -91,7 +91,9 @@ def install(log, env: dict, timeout: float = 90.0) -> str:
 
 def run_cuda_tests(paths: list[str], out_path: str, timeout: float, env: dict) -> str:
     """The tests marked `cuda` (they skip without a GPU), output streamed to out_path; pytest's summary line."""
-    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "cuda", "-p", "no:cacheprovider", "-rfE",
+    # One process (the GPU is one device), and no project addopts: they name pytest-xdist, which the GPU machine's
+    # `pip install --no-deps -e .` does not bring.
+    cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-v", "-m", "cuda", "-p", "no:cacheprovider", "-rfE",
            "--continue-on-collection-errors", *paths]
     open(out_path, "w").close()
     code, timed_out = run_to_file(cmd, out_path, timeout, env)

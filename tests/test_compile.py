@@ -1,6 +1,7 @@
 """torch.compile(model, fullgraph=True) of converted models: a training step (forward + backward, with and without
 padding) and a cached decoding step with a dynamic and with a static cache, equal to eager (<= 1e-5, fp32).
-Default suite: backend "aot_eager" (traces dynamo + AOTAutograd, no C++ build); the slow suite adds "inductor"."""
+Default suite: backend "aot_eager" (traces dynamo + AOTAutograd, no C++ build) on a covering set of family x variant
+cells; the slow suite adds "inductor"; `-m exhaustive` runs every cell."""
 from __future__ import annotations
 
 import copy
@@ -125,31 +126,42 @@ def test_compiled_decoding_rebuilds_the_running_sum_after_cache_operations():
 
 
 ALL = [(f, v) for f in FAMILIES for v in variant_names() if not refusal(f, v)]
-# The default suite compiles every variant once on Llama and the variants that change the seam (value mean, sink,
-# gate) on the other families; the slow suite runs the whole matrix, then inductor.
-TRAIN = [("llama", v) for v in variant_names()] + [(f, v) for f in ("qwen2", "mistral")
-                                                   for v in ("sink", "affine_gated")] + [
-    ("gemma2", "affine_gated"), ("gpt_oss", "sink"), ("gpt_oss", "gated")]
-DECODE = [("llama", "softmax"), ("llama", "sink"), ("qwen2", "affine"), ("mistral", "affine_gated"),
-          ("gemma2", "affine"), ("gpt_oss", "sink")]
+# Default suite (aot_eager): one compiled model per family kind (plain, biases, window, softcap, own sinks) and per
+# variant kind (plain, lse, value mean, gate; tests/covering.variant_kinds), with scaled_softmax's constant float gate
+# and the window with a sink besides. test_every_family_and_variant_kind_is_compiled checks that coverage. The rest
+# of the cross is marked `exhaustive`; inductor cells are `slow`.
+TRAIN = [("llama", "softmax"), ("llama", "sink"), ("llama", "affine_gated"), ("llama", "scaled_softmax"),
+         ("qwen2", "affine"), ("mistral", "sink"), ("mistral", "affine_gated"), ("gemma2", "affine_gated"),
+         ("gpt_oss", "sink"), ("gpt_oss", "gated")]
+DECODE = [("llama", "softmax"), ("qwen2", "affine"), ("mistral", "affine_gated"), ("gemma2", "affine"),
+          ("gpt_oss", "sink")]
 
 
 def _ids(cases):
     return [f"{f}-{v}" for f, v in cases]
 
 
-def _slow_rest(cases):
-    return [pytest.param(f, v, marks=pytest.mark.slow) for f, v in ALL if (f, v) not in cases]
+def _exhaustive_rest(cases):
+    return [pytest.param(f, v, marks=pytest.mark.exhaustive) for f, v in ALL if (f, v) not in cases]
 
 
-@pytest.mark.parametrize("family, variant", TRAIN + _slow_rest(TRAIN),
+def test_every_family_and_variant_kind_is_compiled():
+    from covering import variant_kinds
+
+    kinds = set().union(*(variant_kinds(v) for v in variant_names()))
+    for cases in (TRAIN, DECODE):
+        assert {f for f, _ in cases} == set(FAMILIES)
+        assert set().union(*(variant_kinds(v) for _, v in cases)) == kinds
+
+
+@pytest.mark.parametrize("family, variant", TRAIN + _exhaustive_rest(TRAIN),
                          ids=_ids(TRAIN) + _ids([c for c in ALL if c not in TRAIN]))
 def test_compiled_training_step_equals_eager(family, variant):
     for padded in (False, True):
         check_training_step(family, variant, padded, "aot_eager")
 
 
-@pytest.mark.parametrize("family, variant", DECODE + _slow_rest(DECODE),
+@pytest.mark.parametrize("family, variant", DECODE + _exhaustive_rest(DECODE),
                          ids=_ids(DECODE) + _ids([c for c in ALL if c not in DECODE]))
 def test_compiled_decoding_step_equals_eager(family, variant):
     for kind in ("dynamic", "static"):
@@ -158,7 +170,7 @@ def test_compiled_decoding_step_equals_eager(family, variant):
 
 # Inductor: every kind of epilogue on Llama, and on the other families the variants whose path their layout changes
 # (the value mean and gate under Mistral's sliding window, the sink there, the value mean with Qwen2's biases);
-# aot_eager above covers every family x variant pair.
+# aot_eager above covers every family and variant kind (every pair with -m exhaustive).
 INDUCTOR = [("llama", v) for v in ("softmax", "sink", "gated", "affine", "affine_gated")] + [
     ("mistral", "sink"), ("mistral", "affine_gated"), ("qwen2", "affine")]
 

@@ -1,7 +1,7 @@
 """Every public op x every mask traces under torch.compile(fullgraph=True) and equals eager (fp32, <= 1e-5) in its
 forward, every gradient (q, k, v and the op's parameters) and its no_grad forward: the matrix of
 benchmarks/compile_matrix.py. Default suite: every mask on affine_gated (value mean and gate together) plus each
-other op on the masks that change its path; the slow suite runs the rest."""
+other op on the masks that change its path; `-m exhaustive` runs the rest of the cross."""
 from __future__ import annotations
 
 import importlib.util
@@ -27,7 +27,7 @@ DEFAULT = {("affine_gated", m) for m in compile_matrix.MASKS} | {
 
 def _params():
     for op, mask in compile_matrix.CASES:
-        marks = () if (op, mask) in DEFAULT else (pytest.mark.slow,)
+        marks = () if (op, mask) in DEFAULT else (pytest.mark.exhaustive,)
         yield pytest.param(op, mask, marks=marks, id=f"{op}-{mask}")
 
 

@@ -197,7 +197,8 @@ def _one_error_line(out, *needles):
 
 
 def test_cli_bad_inputs_give_one_line(tiny, tmp_path):
-    from test_train_helpers import cli, sets
+    """In this process (cli.main), then the first case once more through the installed command's process."""
+    from test_train_helpers import cli, cli_in_process, sets
 
     base = sets(tiny + ["train.steps=1"])
     (tmp_path / "bad.jsonl").write_text('{"text": ["not", "a", "string"]}\n')
@@ -225,7 +226,8 @@ def test_cli_bad_inputs_give_one_line(tiny, tmp_path):
         (sets(["model.num_kv_heads=0"]) + ["--out", str(tmp_path / "o4")], ["model.num_kv_heads"]),
     ]
     for extra, needles in cases:
-        _one_error_line(cli(["train", *base, *extra], check=False), *needles)
+        _one_error_line(cli_in_process(["train", *base, *extra]), *needles)
+    _one_error_line(cli(["train", *base, *cases[0][0]], check=False), *cases[0][1])
     assert not (tmp_path / "missing").exists()  # a failed --resume creates nothing
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 9))
 
@@ -300,20 +302,26 @@ def test_malformed_manifest_falls_back_to_the_previous_checkpoint(two_checkpoint
 
 
 def test_unlisted_files_are_never_loaded_and_partial_saves_are_cleaned(two_checkpoints):
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
+    from affine_attention.hf.load import load_model
     from affine_attention.train import checkpoint as ckpt
 
     cfg, run = two_checkpoints
     newest = run / "checkpoints" / "step-00000003"
-    real = load_file(str(newest / "model.safetensors"))
-    # A planted safetensors file whose names match real weights: listed nowhere, so never loaded.
-    save_file({k: torch.full_like(v, 7.0) for k, v in real.items() if v.is_floating_point()},
-              str(newest / "model-planted.safetensors"))
+    real = load_model(str(newest)).state_dict()
+    # A planted DCP shard beside the real one, holding the same tensors (same header) with other values: listed
+    # nowhere, so never loaded.
+    shard = next((newest / "state").glob("*.safetensors"))
+    with safe_open(str(shard), "pt") as f:
+        header = f.metadata()
+    planted = newest / "state" / shard.name.replace("shard-00001", "shard-00002")
+    save_file({k: torch.full_like(v, 7.0) for k, v in load_file(str(shard)).items()}, str(planted), metadata=header)
     said = []
     assert ckpt.newest_intact(run, log=said.append) == newest
-    assert any("ignoring 1 file(s)" in m and "model-planted.safetensors" in m for m in said)
-    loaded = ckpt.load_training_state(newest)["model"]
+    assert any("ignoring 1 file(s)" in m and planted.name in m for m in said), said
+    loaded = load_model(str(newest)).state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in real.items())
     # What killed saves leave: a finished temporary folder whose rename was lost is restored, the rest removed.
     done = run / "checkpoints" / ".tmp-step-00000004-deadbeef"
@@ -347,7 +355,7 @@ def test_pickled_weights_are_refused_by_the_loader(tmp_path, name):
 
 
 def test_eval_and_analyze_refuse_pickles_in_one_line(tmp_path):
-    from test_train_helpers import cli
+    from test_train_helpers import cli_in_process
 
     folder = tmp_path / "m"
     folder.mkdir()
@@ -356,7 +364,7 @@ def test_eval_and_analyze_refuse_pickles_in_one_line(tmp_path):
     for args in (["analyze", "--model", str(folder), "--out", str(tmp_path / "a")],
                  ["eval", "--model", str(folder), "--tokenizer", "default", "--tasks", "fixtures", "--out",
                   str(tmp_path / "e")]):
-        _one_error_line(cli(args, check=False), "pickled weights only")
+        _one_error_line(cli_in_process(args), "pickled weights only")
 
 
 # --- class 7: a saved model loads only with the function it was saved with ------------------------------------

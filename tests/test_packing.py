@@ -4,12 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_hf_common import FAMILIES, VOCAB, perturb, tiny
+from covering import covering_pairs, split_cross
+from test_hf_common import VOCAB, perturb, tiny
 
 from affine_attention.hf import packing
-from affine_attention.hf.families import refusal
 from affine_attention.train.packing import document_positions, model_inputs
-from affine_attention.variants import variant_names
 
 LENGTHS = [5, 9, 1, 7]  # a one-token document included; 22 tokens in all
 
@@ -25,11 +24,10 @@ def _packed(docs):
     return ids, pos
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("variant", variant_names())
+# Every family with a variant of each kind it accepts, every variant on >= 3 families (tests/covering.py); the rest
+# of the family x variant cross is marked `exhaustive`. Refused pairs are tested in test_hf_families.py.
+@pytest.mark.parametrize("family, variant", split_cross(covering_pairs()))
 def test_packed_logits_and_gradients_equal_documents_alone(family, variant):
-    if refusal(family, variant):
-        pytest.skip(f"{family} refuses {variant} (tested in test_hf_families.py)")
     model = tiny(family, variant)
     perturb(model)
     docs = _docs()

@@ -59,6 +59,26 @@ def test_training_without_stepping_warns_once(monkeypatch):
     assert not [w for w in caught if issubclass(w.category, running_stats.RunningStatsWarning)]
 
 
+def test_a_meta_model_in_training_mode_does_not_break_another_models_optimizer_step(monkeypatch):
+    """A converted model on the meta device (a dry run's) stays watched while alive; another model's optimizer step
+    must neither read its counts (there are none) nor lose the warning for the model that trains unstepped."""
+    from test_train_helpers import TINY
+
+    from affine_attention.train.config_load import load_config
+    from affine_attention.train.model import base_model, convert
+
+    monkeypatch.setattr(running_stats, "_WARNED", False)
+    cfg = load_config("tiny", TINY)
+    idle = convert(base_model(cfg, 0, meta=True), "affine").train()  # as the dry run builds its models
+    assert next(idle.parameters()).is_meta
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(micro=1, step=None)
+        train(micro=1, step=None)
+    assert len([w for w in caught if issubclass(w.category, running_stats.RunningStatsWarning)]) == 1
+    assert idle.training
+
+
 @pytest.mark.parametrize("stepped", [True, False])
 def test_two_optimizers_per_iteration_warn_only_when_never_stepped(stepped, monkeypatch):
     monkeypatch.setattr(running_stats, "_WARNED", False)

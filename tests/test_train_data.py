@@ -103,6 +103,9 @@ def test_rank_rows_form_the_global_batch_round_by_round():
             rows = torch.arange(count)[:, None].repeat(1, 3)
             return rows, torch.arange(count)
 
+        def state_dict(self):
+            return {}
+
     # global 8, micro 2, 2 ranks: rounds are global rows [0..3] and [4..7]; rank r takes rows 2r, 2r+1 of each.
     got = [TrainBatches(Counter(), 8, 2, r, 2).next()[1].tolist() for r in range(2)]
     assert got == [[0, 1, 4, 5], [2, 3, 6, 7]]

@@ -45,6 +45,20 @@ def tiny(tmp_path) -> list[str]:
     return tiny_overrides(tmp_path)
 
 
+@pytest.fixture(scope="module")
+def tok():
+    """The packaged 4096-token tokenizer, as training loads it."""
+    from affine_attention.train.pretrained import load_tokenizer
+
+    return load_tokenizer("default")
+
+
+def write_jsonl(path: Path, docs: list[str]) -> Path:
+    """A JSON Lines file with one {"text": doc} object per document."""
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
 def read_records(path: Path, kind: str = "train") -> list[dict]:
     return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r.get("kind") == kind]
 
@@ -64,6 +78,29 @@ def cli(args: list[str], *, env: dict | None = None, timeout: float = 300, check
     if check and out.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
     return out
+
+
+def cli_in_process(args: list[str]) -> subprocess.CompletedProcess:
+    """`affine-attention ARGS` through cli.main in this process, as a CompletedProcess (exit code, stdout, stderr):
+    a second of set-up less than `cli` for tests of what the command says. An exception other than the command's
+    own exit propagates, so a traceback fails the test as it would on a terminal. Restores torch's thread count."""
+    import contextlib
+    import io
+
+    import torch
+
+    from affine_attention.cli import main
+
+    out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(args)
+            except SystemExit as exit_:  # argparse's usage errors
+                code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(["affine-attention", *args], code, out.getvalue(), err.getvalue())
 
 
 def sets(overrides: list[str]) -> list[str]:

@@ -43,7 +43,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tiny, tmp_path):
     steps = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
     newest = run / "checkpoints" / steps[-1]
     # Damage the newest checkpoint: the resume must say so and use the previous one.
-    weights = newest / "model.safetensors"
+    weights = next((newest / "state").glob("*.safetensors"))  # a shard of the sharded checkpoint
     weights.write_bytes(weights.read_bytes()[:-64])
     out = cli(["train", *_args(tiny, run)[1:], "--resume"])
     assert f"{newest} is damaged" in out.stderr and "resuming from" in out.stderr

@@ -81,7 +81,28 @@ def setup_rows(summary: dict, runs: dict[str, list[SeedRun]]) -> list[list[str]]
     ]
     if summary.get("total_wall_time_s"):
         rows.append(["total wall time", f"{summary['total_wall_time_s'] / 60:.1f} min"])
+    throughput = throughput_cell([r.result for rs in runs.values() for r in rs])
+    if throughput:
+        rows.append(["throughput", throughput])
     return rows
+
+
+def throughput_cell(results: list[dict]) -> str | None:
+    """Tokens/s, MFU, data wait and host syncs per step, means over the runs' result.json (train/loop.run_cost)."""
+    def mean(key):
+        xs = [r[key] for r in results if isinstance(r.get(key), (int, float))]
+        return sum(xs) / len(xs) if xs else None
+
+    tps = mean("tokens_per_s")
+    if tps is None:
+        return None
+    mfu, wait, syncs = mean("mfu"), mean("data_wait_s_per_step"), mean("host_syncs_per_step")
+    return "; ".join([
+        f"{tps:,.0f} tokens/s (mean over runs)",
+        f"MFU {mfu:.1%} (student and teacher model FLOPs over the device's bf16 dense peak)" if mfu is not None
+        else "MFU not measured (a CPU, or a GPU without a listed peak)",
+        f"data wait {wait * 1e3:.1f} ms/step" if wait is not None else "data wait not recorded",
+        f"{syncs:.1f} host syncs/step" if syncs is not None else "host syncs counted on CUDA only"])
 
 
 def losses_table(summary: dict, runs: dict[str, list[SeedRun]]) -> tuple[Table, dict]:

@@ -7,6 +7,7 @@ fast paths; only sliding windows, packed sequences, static caches and custom pat
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -59,9 +60,10 @@ def capture_attention_input(module: nn.Module, args: tuple, kwargs: dict[str, An
 def _variant_mask(mask: Tensor | None, B: int, T: int, S: int, training: bool):
     """HF mask -> (attn_mask for the variant, is_causal, token_mask (B, T) or None, keys (B|1, S) or None).
 
-    None: plain causal. (B|1, 1, 1, S): key padding mask under the causal rule, as `structured_mask` emits it (a
-    user-supplied 4D mask of this shape is read the same way; for T == 1 both readings coincide).
-    (B|1, 1, T, S) with T > 1: a dense mask, used as given without adding the causal rule (as SDPA does).
+    None: plain causal. (B|1, 1, 1, S) made by `structured_mask`: key padding under the causal rule. Any other 4D
+    boolean mask, including a user's own (B|1, 1, 1, S) or (B|1, 1|Hq, T, S), transformers hands over unchanged and
+    its SDPA uses as given, without the causal rule (a (B, 1, 1, S) mask lets each query see every unmasked key):
+    so does this.
     token_mask, for the alpha_ma statistic, is only computed in training. keys: the key padding of a structured mask
     (what a decoding cache's running sum of V compares between steps: one object per mask, so every layer compares
     the same pair once per model forward).
@@ -74,16 +76,32 @@ def _variant_mask(mask: Tensor | None, B: int, T: int, S: int, training: bool):
     if mask.dtype != torch.bool:
         raise ValueError(f"affine_attention expects a boolean 4D mask (True = may attend), got dtype {mask.dtype}; "
                          "pass a 2D padding mask or a boolean 4D mask")
-    if mask.shape[-2] == 1 and mask.shape[1] == 1:
-        token_mask = mask[:, 0, 0, S - T:].expand(B, T) if training and S >= T else None
-        return mask, True, token_mask, mask[:, 0, 0, :]
+    key_only = mask.shape[-2] == 1 and mask.shape[1] == 1
     token_mask = None
-    if training and mask.shape[1] == 1 and mask.shape[-2] == T and S >= T:
-        # A real query sees its own key (under padding masks only padded keys are hidden), so the diagonal
-        # (bottom-right aligned) marks the real tokens for the alpha_ma statistic.
-        idx = torch.arange(T, device=mask.device)
-        token_mask = mask[:, 0, idx, idx + (S - T)].expand(B, T)
+    if training and mask.shape[1] == 1 and S >= T:
+        if key_only:
+            token_mask = mask[:, 0, 0, S - T:].expand(B, T)
+        elif mask.shape[-2] == T:
+            # A real query sees its own key (under padding masks only padded keys are hidden), so the diagonal
+            # (bottom-right aligned) marks the real tokens for the alpha_ma statistic.
+            idx = torch.arange(T, device=mask.device)
+            token_mask = mask[:, 0, idx, idx + (S - T)].expand(B, T)
+    if key_only and _made_here(mask):
+        return mask, True, token_mask, mask[:, 0, 0, :]
     return mask, False, token_mask, None
+
+
+# The key masks `structured_mask` made, by id: only those mean "causal + padding". A user's (B, 1, 1, S) mask reaches
+# the attention function unchanged and means what SDPA makes of it (no causal rule); the values cannot tell them apart.
+_MADE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _made_here(mask: Tensor) -> bool:
+    """Whether `mask` is a key mask `structured_mask` returned. Traced code cannot look ids up: there every
+    (B|1, 1, 1, S) mask keeps the causal reading (docs/reliability.md names this limit)."""
+    if torch.compiler.is_compiling() or is_tracing(mask):
+        return True
+    return _MADE.get(id(mask)) is mask
 
 
 def _layer_mask(masks: dict | None, attention_mask: Tensor | None, query: Tensor, key: Tensor, training: bool,
@@ -219,7 +237,10 @@ def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
     padding = padding[:, kv_offset:kv_offset + kv_length].to(torch.bool)  # (B, S)
     if not is_tracing(padding) and bool(padding.all()):
         return None  # reading values breaks a compiled graph, so traced code keeps the (equivalent) key mask
-    return padding[:, None, None, :]
+    key_mask = padding[:, None, None, :]
+    if not is_tracing(key_mask):
+        _MADE[id(key_mask)] = key_mask
+    return key_mask
 
 
 # Whatever module of this package imported transformers first, the seam and the model types get registered.

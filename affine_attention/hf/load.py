@@ -98,8 +98,12 @@ def load_model(spec: str, *, dtype=None, device=None, hub: bool = False, frozen:
     from transformers import AutoModelForCausalLM
 
     from . import models  # registers the converted architectures so their checkpoints load
+    from .sharded import is_sharded, load_sharded_model
 
     path, kwargs = _local(spec, hub, "model")
+    if "gguf_file" not in kwargs and is_sharded(path):  # a trainer's step checkpoint (DCP shards)
+        model = load_sharded_model(path, dtype)
+        return _placed(model, device, frozen)
     if "gguf_file" not in kwargs:
         _refuse_pickles(spec, Path(path))
         kwargs["use_safetensors"] = True  # never unpickle weights (torch.load runs arbitrary code)
@@ -108,6 +112,10 @@ def load_model(spec: str, *, dtype=None, device=None, hub: bool = False, frozen:
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if "gguf_file" not in kwargs and not isinstance(model, models.AffineModelMixin):
         _refuse_unconverted_config(spec, Path(path), model)  # converted classes check their own files on load
+    return _placed(model, device, frozen)
+
+
+def _placed(model, device, frozen: bool):
     if device is not None:
         model.to(device)
     model.eval()

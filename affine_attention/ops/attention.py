@@ -149,7 +149,7 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
                        impl=impl)
     else:
         out = epilogue(out, alpha=alpha, alpha_ma=alpha_ma, gate=gate, v_mean=v_mean, impl=impl)
-    return _poison_seen(out, seen)
+    return _poison_queries(_poison_seen(out, seen), q, alpha)
 
 
 def _isolate_nonfinite(k: Tensor, v: Tensor, mask: MaskSpec, Hq: int,
@@ -181,6 +181,20 @@ def _isolate_nonfinite(k: Tensor, v: Tensor, mask: MaskSpec, Hq: int,
     row = bad[..., None]
     seen, _ = visible_sum_and_count(row.to(v.dtype), mask, Hq)
     return k.masked_fill(row, 0), v.masked_fill(row, 0), seen > 0.5
+
+
+def _poison_queries(out: Tensor, q: Tensor, alpha: Tensor | None) -> Tensor:
+    """out: (B, Hq, T, D); q: (B, Hq, T, D); alpha: (B, Hq, T) or None. A query whose q row or alpha holds a nan or
+    an inf gets nan, as the reference's arithmetic gives (and torch's math SDPA): fast kernels otherwise return a
+    finite row (their running max skips a nan logit, and -inf logits read as "sees no key" give 0). The rule is
+    one for every backend; sinks need none (the sink's sigmoid(lse - s) already gives what the definition does)."""
+    if q.device.type == "cpu" and not torch.compiler.is_compiling() and math.isfinite(
+            (q.sum() + (0 if alpha is None else alpha.sum())).item()):
+        return out  # the common case: one reduction per tensor, no per-row test
+    ok = torch.isfinite(q).all(-1)
+    if alpha is not None:
+        ok = ok & torch.isfinite(alpha)
+    return torch.where(ok[..., None], out, torch.full((), float("nan"), dtype=out.dtype, device=out.device))
 
 
 def _poison_seen(out: Tensor, seen: Tensor | None) -> Tensor:

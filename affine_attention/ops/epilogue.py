@@ -14,6 +14,7 @@ import os
 import torch
 from torch import Tensor
 
+from ._once import once_differentiable
 from .._compat import as_dtype, float_acc
 from ._forcing import ForcedChoice
 from ._validate import check_per_head, check_per_query, check_v_mean
@@ -147,6 +148,7 @@ class _Epilogue(torch.autograd.Function):
         return _kernels(name).forward(out, alpha, alpha_ma, m, gate)
 
     @staticmethod
+    @once_differentiable("the variant epilogue")  # a second derivative raises, naming what to use instead
     def backward(ctx, grad):
         out, alpha, alpha_ma, gate, m, v = ctx.saved_tensors
         need = ctx.needs_input_grad

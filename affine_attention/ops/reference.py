@@ -58,8 +58,18 @@ def _softmax_rows(logits: Tensor, vis: Tensor, extra_logit: Tensor | None = None
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(x - m)
     z = e.sum(-1, keepdim=True)
-    p = e / torch.where(z > 0, z, torch.ones_like(z))
+    p = e / torch.where(z == 0, torch.ones_like(z), z)  # only an empty row divides by 1; a nan sum stays nan
     return p[..., :-1] if extra_logit is not None else p
+
+
+def _nonfinite_queries_nan(w: Tensor, q: Tensor, alpha: Tensor | None = None) -> Tensor:
+    """w: (B, Hq, T, S) weights; a query whose q row (or alpha) is not finite gets nan weights. Arithmetic alone
+    gives nan for most such rows but not all (a -inf q whose logits are all -inf reads as a row that sees nothing);
+    the library's rule is nan for every one (docs/reliability.md)."""
+    ok = torch.isfinite(q).all(-1)
+    if alpha is not None:
+        ok = ok & torch.isfinite(alpha)
+    return w.masked_fill(~ok[..., None], float("nan"))
 
 
 def softmax_attention_reference(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
@@ -69,6 +79,7 @@ def softmax_attention_reference(q, k, v, *, attn_mask=None, is_causal=False, sca
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
     vis = visible_mask(attn_mask, is_causal, T, S, q.device, window=window, document_ids=document_ids)
     w = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa, softcap=softcap), vis)
+    w = _nonfinite_queries_nan(w, q)
     return w @ _expand_v(v, Hq), w
 
 
@@ -79,7 +90,7 @@ def sink_attention_reference(q, k, v, sinks, *, attn_mask=None, is_causal=False,
     check_per_head("sinks", sinks, Hq, q.device)
     vis = visible_mask(attn_mask, is_causal, T, S, q.device, window=window, document_ids=document_ids)
     logits = attention_logits(q, k, scale=scale, enable_gqa=enable_gqa, softcap=softcap)
-    w = _softmax_rows(logits, vis, extra_logit=sinks)
+    w = _nonfinite_queries_nan(_softmax_rows(logits, vis, extra_logit=sinks), q)
     return w @ _expand_v(v, Hq), w
 
 
@@ -101,5 +112,5 @@ def affine_scaled_attention_reference(q, k, v, alpha, alpha_ma, *, attn_mask=Non
     n = vis.sum(-1, keepdim=True).to(q.dtype) if bias_norm == "visible" else torch.full_like(p[..., :1], S)
     a_ = alpha.to(q.dtype)[..., None]
     beta = (alpha_ma.to(q.dtype)[None, :, None, None] - a_) / n.clamp(min=1)
-    w = torch.where(vis, a_ * p + beta, torch.zeros_like(p))
+    w = _nonfinite_queries_nan(torch.where(vis, a_ * p + beta, torch.zeros_like(p)), q, alpha)
     return w @ _expand_v(v, Hq), w

@@ -3,6 +3,7 @@ the packaged corpus, in a fixed order; bad input raises ValueError naming the fi
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import sys
@@ -82,8 +83,10 @@ def file_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
 
 
 def _hub_documents(name: str, *, subset: str = "", split: str = "train", revision: str = "",
-                   paths: Sequence[str] = (), text_field: str = "text", skip: int = 0) -> Iterator[str]:
+                   paths: Sequence[str] = (), text_field: str = "text", skip: int = 0, rank: int = 0,
+                   world: int = 1) -> Iterator[str]:
     from datasets import load_dataset
+    from datasets.distributed import split_dataset_by_node
 
     kwargs: dict[str, Any] = {"split": split, "streaming": True}
     if revision:
@@ -91,8 +94,12 @@ def _hub_documents(name: str, *, subset: str = "", split: str = "train", revisio
     if paths:  # a builder ("json", "parquet", "text") over local or remote files
         kwargs["data_files"] = list(paths)
     ds = load_dataset(name, subset or None, **kwargs)
-    if skip:
+    if world > 1:  # whole files per rank when their number divides by the ranks, else every world-th document
+        ds = split_dataset_by_node(ds, rank=rank, world_size=world)
+    if skip and world == 1:
         ds = ds.skip(skip)
+    elif skip:  # datasets applies .skip before the split by node: it would count every rank's documents
+        ds = itertools.islice(ds, skip, None)
     for ex in ds:
         if text_field not in ex:
             raise ValueError(f"dataset {name!r} has no field {text_field!r}; fields: {sorted(ex)}")
@@ -100,11 +107,15 @@ def _hub_documents(name: str, *, subset: str = "", split: str = "train", revisio
 
 
 def documents(kind: str, *, split: str = "train", paths: Sequence[str] = (), text_field: str = "text",
-              name: str = "", subset: str = "", revision: str = "", skip: int = 0) -> Iterator[str]:
+              name: str = "", subset: str = "", revision: str = "", skip: int = 0, rank: int = 0,
+              world: int = 1) -> Iterator[str]:
     """The documents of a source in their fixed order, after skipping the first `skip`.
 
     kind: "corpus" (the packaged corpus, `split` = train or validation), "files" (`paths`: files or glob patterns)
-    or "hub" (a `datasets` name or builder, streamed; network unless cached)."""
+    or "hub" (a `datasets` name or builder, streamed; network unless cached). A hub stream with world > 1 yields
+    only the documents of `rank` (datasets.distributed.split_dataset_by_node; `skip` counts those)."""
+    if world > 1 and kind != "hub":
+        raise ValueError(f"only a hub stream is read split by rank, not a {kind!r} source")
     if kind == "corpus":
         yield from corpus_texts(split)[skip:]
     elif kind == "files":
@@ -114,7 +125,7 @@ def documents(kind: str, *, split: str = "train", paths: Sequence[str] = (), tex
                 yield doc
     elif kind == "hub":
         yield from _hub_documents(name, subset=subset, split=split, revision=revision, paths=paths,
-                                  text_field=text_field, skip=skip)
+                                  text_field=text_field, skip=skip, rank=rank, world=world)
     else:
         raise ValueError(f"unknown text source kind {kind!r}; use 'corpus', 'files' or 'hub'")
 

@@ -1,6 +1,7 @@
-"""Atomic, verifiable training checkpoints: a transformers-loadable safetensors folder plus the training state.
+"""Atomic, verifiable training checkpoints: the manifest, the atomic commit and the recovery every format shares, and
+the full format (1): a transformers-loadable safetensors folder plus the training state, written by rank 0.
 
-One checkpoint folder (run_dir/checkpoints/step-00000100/, or run_dir/final/) holds:
+run_dir/final/ (and step checkpoints of runs from before the sharded format, which still resume) holds:
   config.json, model*.safetensors, generation_config.json  save_pretrained output (AutoModel loadable)
   tokenizer files                                          the run's tokenizer
   optimizer.safetensors, optimizer.json                    AdamW tensors by parameter name / param_groups
@@ -8,7 +9,8 @@ One checkpoint folder (run_dir/checkpoints/step-00000100/, or run_dir/final/) ho
   trainer_state.json                                       step, data position, wall time, tokens, config
   MANIFEST.json                                            written last: size and sha256 of every other file
 It is written into a hidden temporary folder, every file fsynced, then renamed into place (and the parent fsynced),
-so a crash never leaves a half-written folder under a checkpoint name. Loading verifies the manifest; a damaged
+so a crash never leaves a half-written folder under a checkpoint name. Step checkpoints are sharded (format 2,
+checkpoint_dcp.py) and share the manifest, commit and recovery. Loading verifies the manifest; a damaged
 newest checkpoint is reported and the next newest intact one is used. Nothing is unpickled: safetensors and JSON.
 """
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 MANIFEST = "MANIFEST.json"
-FORMAT = 1
+# 1: a full folder written by rank 0 (this module); 2: sharded, every rank writes its part (checkpoint_dcp.py).
+FORMATS = (1, 2)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -69,48 +72,69 @@ def step_name(step: int) -> str:
 
 
 def save(target: Path, *, model, model_sd: dict, optim_sd: dict, tokenizer, trainer_state: dict) -> Path:
-    """Write a checkpoint atomically to `target` (replacing an older one of the same name). Rank 0 only.
+    """Write a full (format 1) checkpoint atomically to `target` (replacing an older one of the same name). Rank 0
+    only. The run's final/ is written this way; step checkpoints are sharded (checkpoint_dcp.py).
 
     model: the unwrapped transformers model (for its config); model_sd, optim_sd: full CPU state dicts.
     """
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = temporary(target)
+    tmp.mkdir(parents=True)
     try:
         model.save_pretrained(tmp, state_dict=dict(model_sd))  # a copy: save_pretrained consumes its dict
         tokenizer.save_pretrained(tmp)
         tensors, meta = _flatten_optimizer(optim_sd)
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         (tmp / "optimizer.json").write_text(json.dumps(meta, indent=1))
-        rng = {"torch_cpu": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["torch_cuda"] = torch.cuda.get_rng_state()
-        save_file(rng, str(tmp / "rng.safetensors"))
+        write_rng(tmp)
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-        files = {}
-        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-            files[str(path.relative_to(tmp))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
-        manifest = {"format": FORMAT, "step": trainer_state["step"], "files": files}
-        with open(tmp / MANIFEST, "w") as f:
-            f.write(json.dumps(manifest, indent=1))
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        old = None
-        if target.exists():  # a folder cannot be renamed onto a non-empty one: move the old one aside first
-            old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
-            os.replace(target, old)
-        os.replace(tmp, target)
-        _fsync_dir(target.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        commit(tmp, target, {"format": 1, "step": trainer_state["step"]}, file_table(tmp))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def temporary(target: Path, suffix: str | None = None) -> Path:
+    """The hidden folder a save of `target` writes into (`recover_partial` knows the pattern)."""
+    return Path(target).parent / f".tmp-{Path(target).name}-{suffix or uuid.uuid4().hex[:8]}"
+
+
+def write_rng(folder: Path) -> None:
+    """The torch CPU (and CUDA) RNG state: every rank draws from one stream, so rank 0's is the run's."""
+    rng = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["torch_cuda"] = torch.cuda.get_rng_state()
+    save_file(rng, str(Path(folder) / "rng.safetensors"))
+
+
+def file_table(folder: Path, only: list[Path] | None = None) -> dict[str, dict]:
+    """{relative path: {"size", "sha256"}} of the files in `folder` (or of `only`), each fsynced first."""
+    folder = Path(folder)
+    files = {}
+    for path in sorted(only if only is not None else (p for p in folder.rglob("*") if p.is_file())):
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        files[str(path.relative_to(folder))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    return files
+
+
+def commit(tmp: Path, target: Path, head: dict, files: dict[str, dict]) -> None:
+    """Write the manifest (head + files) last into `tmp`, then rename `tmp` to `target` (an older folder of that
+    name is moved aside first and removed after) and fsync the parent: a crash leaves the old folder or the new."""
+    with open(tmp / MANIFEST, "w") as f:
+        f.write(json.dumps({**head, "files": files}, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    old = None
+    if target.exists():  # a folder cannot be renamed onto a non-empty one: move the old one aside first
+        old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(target, old)
+    os.replace(tmp, target)
+    _fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _manifest(path: Path) -> tuple[dict | None, str | None]:
@@ -124,8 +148,8 @@ def _manifest(path: Path) -> tuple[dict | None, str | None]:
         return None, f"{MANIFEST} is not valid JSON"
     if not isinstance(manifest, dict):
         return None, f"{MANIFEST} is not a JSON object (got {type(manifest).__name__})"
-    if manifest.get("format") != FORMAT:
-        return None, f"unknown checkpoint format {manifest.get('format')!r}"
+    if manifest.get("format") not in FORMATS:
+        return None, f"unknown checkpoint format {manifest.get('format')!r} (this version reads {FORMATS})"
     step, files = manifest.get("step"), manifest.get("files")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         return None, f"{MANIFEST} has no valid 'step' (got {step!r})"
@@ -224,8 +248,8 @@ def newest_intact(run_dir: Path, log=print) -> Path:
 
 
 def load_training_state(path: Path) -> dict[str, Any]:
-    """Read a verified checkpoint: model and optimizer state dicts, RNG, trainer_state. No pickles; only the files
-    its manifest lists."""
+    """Read a verified format-1 checkpoint: model and optimizer state dicts, RNG, trainer_state. No pickles; only the
+    files its manifest lists."""
     path = Path(path)
     manifest, problem = _manifest(path)
     if problem:

@@ -141,11 +141,12 @@ class VariantConfig:
 @dataclass
 class SourceConfig:
     """Where documents come from. corpus: the embedded Shakespeare; files: local text/JSONL/parquet; hub: a dataset
-    name streamed with `datasets` (needs network)."""
+    name streamed with `datasets` (needs network); tokens: a folder written by `affine-attention prepare-data`
+    (paths = [that folder]; pre-tokenised shards, read memory-mapped)."""
 
     # backcopy: the synthetic Bigram-Backcopy task of [data.backcopy] (data_backcopy.py); split "train" and
     # "validation" draw disjoint sequence streams of the same task.
-    kind: Literal["corpus", "files", "hub", "backcopy"] = "corpus"
+    kind: Literal["corpus", "files", "hub", "backcopy", "tokens"] = "corpus"
     split: str = "train"  # corpus, backcopy: "train" or "validation"; hub/files: the datasets split name
     paths: list[str] = field(default_factory=list)  # files: *.txt (one document per file), *.jsonl/*.json, *.parquet
     name: str = ""  # hub: dataset name, e.g. "HuggingFaceFW/fineweb-edu"
@@ -179,7 +180,7 @@ class DataConfig:
     # signal, also for the KD teacher). Off by default: the paper describes plain concatenate-and-chunk packing, and
     # the presets compare variants on that setting; turn it on for padding-free per-document training.
     document_mask: bool = False
-    shuffle: bool = True  # corpus and files sources: reshuffle packed sequences every epoch (hub streams keep order)
+    shuffle: bool = True  # corpus, files, tokens: reshuffle packed sequences every epoch (hub streams keep order)
     train: SourceConfig = field(default_factory=SourceConfig)
     eval: SourceConfig = field(default_factory=lambda: SourceConfig(split="validation"))
     eval_sequences: int = count(32, ge=1)  # held-out sequences (the first ones of the eval source, in order)
@@ -233,6 +234,7 @@ class TrainConfig:
     eval_every: int = count(100, ge=0, note="0: only at the end")  # held-out loss and the query-key logit probe
     checkpoint_every: int = count(0, ge=0, note="0: only the final checkpoint")
     keep_checkpoints: int = count(2, ge=1)  # newest N step checkpoints kept (the final one is always kept)
+    async_checkpoint: bool = False  # step checkpoints written by a background thread (checkpoint_dcp.py)
 
 
 @dataclass

@@ -260,6 +260,9 @@ def validate(cfg: RunConfig) -> None:
     for src, name in ((d.train, "data.train"), (d.eval, "data.eval")):
         if src.kind == "files" and not src.paths:
             raise ValueError(f"{name}.kind = 'files' needs {name}.paths (a list of files or glob patterns)")
+        if src.kind == "tokens" and len(src.paths) != 1:
+            raise ValueError(f"{name}.kind = 'tokens' needs {name}.paths = [the folder written by "
+                             f"`affine-attention prepare-data`], one folder; got {src.paths}")
         if src.kind == "hub" and not src.name:
             raise ValueError(f"{name}.kind = 'hub' needs {name}.name (a datasets hub name)")
         if src.kind in ("corpus", "backcopy") and src.split not in ("train", "validation"):
@@ -270,3 +273,25 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError("kd.cache = true stores top-k teacher logits: set kd.top_k (e.g. 64)")
     if not cfg.compare.variants:
         raise ValueError("compare.variants must name at least one variant")
+    if not m.init_from:
+        check_model_settings(m)
+
+
+def check_model_settings(m) -> None:
+    """[model] as transformers will read it, checked before any data or model is built: the transformers config is
+    built here, and a rope type its rotary embedding does not know (a KeyError deep in model construction
+    otherwise) is refused naming model.rope_scaling."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from .model import hf_config
+
+    rope_type = m.rope_scaling.get("rope_type", m.rope_scaling.get("type", "default"))
+    known = ["default", *ROPE_INIT_FUNCTIONS]
+    if rope_type not in known:
+        raise ValueError(f"model.rope_scaling.rope_type = {rope_type!r} is not a rope type transformers knows; choose "
+                         f"one of {known} or remove model.rope_scaling")
+    try:
+        hf_config(m)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"transformers rejects the [model] settings ({type(err).__name__}: {err}); fix [model] "
+                         "(model.rope_scaling, model.extra, ...)") from None

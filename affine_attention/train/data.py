@@ -5,23 +5,26 @@ data.separator names another token), and the documents are concatenated into one
 stream[i*T : i*T + T + 1] (T = seq_len): its first T tokens are the inputs and its last T the targets, so
 consecutive sequences share one token and every stream token after the first is predicted exactly once. Attention is not blocked at separators (standard packing).
 
-Two kinds of source:
+Three kinds of source:
 - in memory (`corpus`, `files`): the whole stream is tokenised once (cached as an .npy keyed by the tokenizer
   and a hash of the text), cut into a fixed list of sequences, and each epoch visits them in a permutation drawn
-  from (seed, epoch). The position is a single integer: sequences consumed so far.
+  from (seed, epoch) (packed.py). The position is a single integer: sequences consumed so far.
+- prepared (`tokens`: a folder written by `affine-attention prepare-data`, shards.py): the same, read from
+  memory-mapped token shards, so nothing is tokenised or held in memory at training time.
 - streamed (`hub`: a `datasets` hub name or builder, read with streaming=True): documents in source order, no
   shuffling; the position is (epoch, documents consumed, unemitted tokens, sequences emitted in the epoch), and a
   resume skips the consumed documents. Each epoch starts from an empty buffer, so every epoch yields the same
-  sequences.
+  sequences. Under several ranks each rank streams its own documents (TrainBatches).
 Every sequence has an id (its index in the fixed list, or its index within the epoch for streams): the KD teacher
-cache is keyed by it. All ranks read the same global batch and keep their own rows, so the data order and the
-result do not depend on the number of ranks.
+cache is keyed by it. Ranks read their own rows of one global batch (TrainBatches), so for every source but a
+rank-split stream the data order and the result do not depend on the number of ranks.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,8 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._files import atomic_write_bytes
 from ..text import documents as text_documents
 from .config import DataConfig, SourceConfig
+from .packed import PackedArray
+from .prefetch import Prefetcher
 from .pretrained import tokenizer_fingerprint
 
 TOKENIZE_BATCH = 32  # documents per tokenizer call
@@ -38,10 +44,11 @@ TOKENIZE_BATCH = 32  # documents per tokenizer call
 
 # --- documents -------------------------------------------------------------------------------------------------
 
-def documents(src: SourceConfig, skip: int = 0) -> Iterator[str]:
-    """The documents of a source in their fixed order, after skipping the first `skip` (see text.documents)."""
+def documents(src: SourceConfig, skip: int = 0, rank: int = 0, world: int = 1) -> Iterator[str]:
+    """The documents of a source in their fixed order, after skipping the first `skip` (see text.documents; a hub
+    stream with world > 1: only the documents of `rank`)."""
     return text_documents(src.kind, split=src.split, paths=src.paths, text_field=src.text_field, name=src.name,
-                          subset=src.subset, revision=src.revision, skip=skip)
+                          subset=src.subset, revision=src.revision, skip=skip, rank=rank, world=world)
 
 
 def separator_id(tok, separator: str = "") -> int:
@@ -81,7 +88,9 @@ def token_stream(src: SourceConfig, tok, cache_dir: str, sep: int) -> tuple[np.n
     key = h.hexdigest()
     path = Path(cache_dir).expanduser() / f"{key}.npy" if cache_dir else None
     if path is not None and path.is_file():
-        return np.load(path, allow_pickle=False), key
+        cached = _read_token_cache(path)
+        if cached is not None:
+            return cached, key
     chunks = []
     for i in range(0, len(docs), TOKENIZE_BATCH):
         chunks.extend(np.asarray(x, dtype=np.int32) for x in tokenize_documents(tok, docs[i:i + TOKENIZE_BATCH], sep))
@@ -91,72 +100,60 @@ def token_stream(src: SourceConfig, tok, cache_dir: str, sep: int) -> tuple[np.n
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
             np.save(f, tokens, allow_pickle=False)
+        atomic_write_bytes(_checksum_path(path), _token_digest(tokens).encode())  # before the tokens appear
         os.replace(tmp, path)
     return tokens, key
 
 
-class PackedArray:
-    """A fixed list of packed sequences over an in-memory token stream, visited in per-epoch permutations."""
+def _checksum_path(path: Path) -> Path:
+    return path.with_suffix(".sha256")
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, shuffle: bool, key: str):
-        self.tokens, self.T, self.seed, self.shuffle, self.key = tokens, seq_len, seed, shuffle, key
-        self.n = (len(tokens) - 1) // seq_len
-        if self.n < 1:
-            raise ValueError(f"the data has {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}")
-        self.position = 0  # sequences consumed
-        self._perm_epoch, self._perm = -1, None
 
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            self._perm = (np.random.default_rng([self.seed, epoch]).permutation(self.n) if self.shuffle
-                          else np.arange(self.n))
-            self._perm_epoch = epoch
-        return self._perm
+def _token_digest(tokens: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest()
 
-    def rows(self, ids: np.ndarray) -> torch.Tensor:
-        """(len(ids), T + 1) int64 tokens of the given sequence ids."""
-        starts = ids.astype(np.int64) * self.T
-        idx = starts[:, None] + np.arange(self.T + 1)[None, :]
-        return torch.from_numpy(self.tokens[idx].astype(np.int64))
 
-    def take(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next `count` sequences: tokens (count, T + 1) int64 and their ids (count,) int64."""
-        ids = []
-        for g in range(self.position, self.position + count):
-            ids.append(self._order(g // self.n)[g % self.n])
-        self.position += count
-        ids = np.asarray(ids, dtype=np.int64)
-        return self.rows(ids), torch.from_numpy(ids)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"kind": "array", "position": self.position, "n": self.n, "key": self.key}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("kind") != "array" or state.get("key") != self.key or state.get("n") != self.n:
-            raise ValueError("the checkpoint's data position belongs to different data (tokenizer, text or "
-                             "seq_len changed); resume with the run's original data settings")
-        self.position = int(state["position"])
-
-    def epoch(self) -> int:
-        return self.position // self.n
+def _read_token_cache(path: Path) -> np.ndarray | None:
+    """The cached tokens (N,) int32, checked against the checksum written beside them; None, with a notice on
+    stderr, when the file is truncated, damaged or has no checksum (an older cache): the caller rebuilds it."""
+    try:
+        tokens = np.load(path, allow_pickle=False)
+        ok = _token_digest(tokens) == _checksum_path(path).read_text().strip()
+        reason = "its checksum does not match"
+    except (OSError, ValueError, EOFError) as err:
+        ok, reason = False, f"{type(err).__name__}: {err}"
+    if ok:
+        return tokens
+    print(f"notice: token cache {path} is unusable ({reason}); rebuilding it", file=sys.stderr, flush=True)
+    return None
 
 
 # --- streamed sources ------------------------------------------------------------------------------------------
 
 class PackedStream:
-    """Packed sequences from a streamed source, in source order; resumable from (epoch, docs, buffer, seq)."""
+    """Packed sequences from a streamed source, in source order; resumable from (epoch, docs, buffer, seq).
+
+    Split by rank (`split_by_rank`, TrainBatches does it under torchrun), each rank reads and packs only its own
+    documents, and sequence s of rank r in an epoch gets the id s W + r, unique over the ranks for the KD cache."""
 
     def __init__(self, src: SourceConfig, tok, seq_len: int, sep: int):
         self.src, self.tok, self.T, self.sep = src, tok, seq_len, sep
-        self.key = hashlib.sha256(json.dumps({"src": source_identity(src), "tok": tokenizer_fingerprint(tok),
-                                              "sep": sep}, sort_keys=True).encode()).hexdigest()
+        self.split_by_rank(0, 1)
+
+    def split_by_rank(self, rank: int, world: int) -> None:
+        """Read only the documents of `rank` out of `world` ranks, from the start of the stream."""
+        self.rank, self.world = rank, world
+        ident = {"src": source_identity(self.src), "tok": tokenizer_fingerprint(self.tok), "sep": self.sep}
+        if world > 1:  # the ids and sequences depend on the number of ranks
+            ident["world"] = world
+        self.key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
         self._state = {"epoch": 0, "docs": 0, "buffer": [], "seq": 0}
         self._docs: Iterator[str] | None = None
 
     def _fill(self) -> bool:
         """Tokenise the next documents into the buffer; False when the epoch's documents are exhausted."""
         if self._docs is None:
-            self._docs = documents(self.src, skip=self._state["docs"])
+            self._docs = documents(self.src, skip=self._state["docs"], rank=self.rank, world=self.world)
         batch = []
         for doc in self._docs:
             batch.append(doc)
@@ -174,7 +171,7 @@ class PackedStream:
         while len(rows) < count:
             if len(s["buffer"]) >= self.T + 1:
                 rows.append(s["buffer"][: self.T + 1])
-                ids.append(s["seq"])
+                ids.append(s["seq"] * self.world + self.rank)
                 del s["buffer"][: self.T]  # the last token starts the next sequence
                 s["seq"] += 1
                 continue
@@ -206,12 +203,17 @@ class PackedStream:
 # --- what the trainer uses -------------------------------------------------------------------------------------
 
 def open_source(src: SourceConfig, tok, cfg: DataConfig, seed: int, *, shuffle: bool):
-    """A PackedArray (corpus, files), PackedStream (hub) or BackcopySource (backcopy: generated, not packed)."""
+    """A PackedArray (corpus, files), TokenSource (tokens: a prepared folder, shards.py), PackedStream (hub) or
+    BackcopySource (backcopy: generated, not packed)."""
     if src.kind == "backcopy":
         from .data_backcopy import BackcopySource
 
         return BackcopySource(cfg.backcopy, src.split, cfg.seq_len, seed)
     sep = separator_id(tok, cfg.separator)
+    if src.kind == "tokens":
+        from .shards import TokenSource
+
+        return TokenSource(src.paths[0], tok, sep, cfg.seq_len, seed, shuffle)
     if src.kind == "hub":
         return PackedStream(src, tok, cfg.seq_len, sep)
     tokens, key = token_stream(src, tok, cfg.token_cache_dir, sep)
@@ -232,8 +234,13 @@ def eval_sequences(src: SourceConfig, tok, cfg: DataConfig, count: int) -> torch
         if count > source.n:
             raise ValueError(f"data.eval_sequences = {count} but the eval source holds only {source.n} sequences "
                              f"of {cfg.seq_len + 1} tokens")
+        if hasattr(source, "verify"):  # prepared shards: checksums of the few it reads
+            source.verify(source.shards_of(np.arange(count)))
         return source.rows(np.arange(count))
     return source.take(count, single_epoch=True)[0]
+
+
+PREFETCH_BATCHES = 2  # global batches read ahead per rank: one in use, the next ready; memory stays bounded
 
 
 class TrainBatches:
@@ -242,6 +249,13 @@ class TrainBatches:
     the r-th m rows of it. So each forward round sees the same rows for any W with the same m W: a single process
     with micro_batch = m W reproduces W ranks exactly, including alpha_ma, which is updated once per forward round
     from the mean over all ranks' rows.
+
+    Sources that hand out ids (`take_ids`: in-memory, prepared shards) are read rank-locally: every rank draws the
+    global batch's ids (cheap) and reads only its own rows. A hub stream under W > 1 ranks is split by rank instead
+    (each rank streams, tokenises and packs only its own documents, so its batches depend on W, and a checkpoint
+    holds every rank's position); backcopy produces the whole global batch on every rank. A background thread
+    (prefetch.py) reads the next batches ahead; the position saved is that after the last batch a step used. A
+    prepared source's shards are checksummed at the start, each rank a share (shard k by rank k mod W).
     """
 
     def __init__(self, source, global_batch: int, micro_batch: int, rank: int, world: int):
@@ -252,15 +266,51 @@ class TrainBatches:
         rounds = global_batch // (micro_batch * world)
         self.rows = torch.tensor([i * micro_batch * world + rank * micro_batch + j
                                   for i in range(rounds) for j in range(micro_batch)])
+        self.rank_split = world > 1 and hasattr(source, "split_by_rank")
+        if self.rank_split:
+            source.split_by_rank(rank, world)
+        if hasattr(source, "verify"):
+            source.verify(range(rank, len(source.maps), world))
+        self.prefetch = Prefetcher(self._read, source.state_dict, depth=PREFETCH_BATCHES)
+
+    def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rank_split:
+            return self.source.take(self.global_batch // self.world)
+        if hasattr(self.source, "take_ids"):
+            ids = self.source.take_ids(self.global_batch)[self.rows.numpy()]
+            return self.source.rows(ids), torch.from_numpy(ids)
+        tokens, ids = self.source.take(self.global_batch)
+        return tokens[self.rows], ids[self.rows]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the next global batch, micro-batch after micro-batch: tokens (L, T + 1) int64 and
         sequence ids (L,) int64, L = global_batch / ranks."""
-        tokens, ids = self.source.take(self.global_batch)
-        return tokens[self.rows], ids[self.rows]
+        return self.prefetch.next()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.source.state_dict()
+        """The position after the batches used; a rank-split stream gathers every rank's (a collective: call it on
+        every rank)."""
+        state = self.prefetch.state_dict()
+        if not self.rank_split:
+            return state
+        import torch.distributed as dist
+
+        states: list[Any] = [None] * self.world
+        dist.all_gather_object(states, state)
+        return {"kind": "ranks", "world": self.world, "ranks": states}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") == "ranks" or self.rank_split:
+            if state.get("kind") != "ranks" or state.get("world") != self.world:
+                raise ValueError(f"the checkpoint's data position was saved by {state.get('world', 1)} rank(s) and "
+                                 f"this run has {self.world}: a hub stream is split by rank, so resume with the same "
+                                 "number of ranks (or prepare the data with `affine-attention prepare-data`)")
+            state = state["ranks"][self.rank]
+        self.prefetch.close()
         self.source.load_state_dict(state)
+        self.prefetch.reset()
+
+    def close(self) -> None:
+        """Stop reading ahead and put the source back at the position of the batches used."""
+        self.prefetch.close()
+        self.source.load_state_dict(self.prefetch.state_dict())

@@ -12,13 +12,14 @@ import torch
 from .._files import atomic_write_json
 from ..variants.running_stats import step_running_stats
 from . import checkpoint as ckpt
+from . import checkpoint_dcp
 from .blocks import prepare_blocks
 from .config import RunConfig
 from .config_load import validate
 from .data import TrainBatches, data_key, eval_sequences, open_source, separator_id
-from .distributed import DistInfo, all_equal, all_reduce_sum, barrier, full_state, load_full_state, setup, wrap
+from .distributed import DistInfo, all_equal, all_reduce_sum, barrier, full_state, setup, wrap
 from .kd import Teacher
-from .metrics import MetricsLog, Progress, TokenStats, running_buffers, state_per_layer
+from .metrics import HostSyncs, MetricsLog, Progress, StepCost, TokenStats, running_buffers, state_per_layer
 from .model import base_model as start_model
 from .model import convert, count_params, function_preserving, tokenizer_spec
 from .optim import build_optimizer, set_lr
@@ -71,7 +72,9 @@ class Trainer:
             self.lock = RunLock(self.out_dir)
 
     def close(self) -> None:
-        """Give the run folder back (`run` does it however it ends)."""
+        """Give the run folder back and stop reading data ahead (`run` does it however it ends)."""
+        if getattr(self, "batches", None) is not None:
+            self.batches.close()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -92,6 +95,10 @@ class Trainer:
         self.build_data()
         self.build_model(base_model)
         self.build_teacher()
+        self.saver = checkpoint_dcp.ShardedSaver(self.info, background=tc.async_checkpoint)
+        self.cost = StepCost(self.hf_model, self.n_params, self.dc.seq_len, self.tokens_per_step, world,
+                             self.info.device, self.teacher)
+        self.syncs, self.data_wait, self.syncs_total = HostSyncs(self.info.device), 0.0, 0
         self.token_stats = TokenStats(self.model)
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.info.is_main)
         if self.info.is_main:
@@ -180,14 +187,10 @@ class Trainer:
         if self.info.is_main:
             ckpt.recover_partial(self.out_dir, log=self.say)
         barrier(self.info)
-        path = ckpt.newest_intact(self.out_dir, log=self.say)
-        state = ckpt.load_training_state(path)
+        path = checkpoint_dcp.newest(self.out_dir, self.info, log=self.say)
+        state = checkpoint_dcp.restore(path, self.model, self.optimizer, self.info, self.cfg.model.tie_embeddings)
         ts = state["trainer_state"]
         check_resume_config(ts["config"], self.cfg)
-        missing = load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
-        tied = {n for n in missing if n.endswith("lm_head.weight") and self.cfg.model.tie_embeddings}
-        if set(missing) - tied:
-            raise ValueError(f"checkpoint {path} lacks weights {sorted(set(missing) - tied)[:5]}")
         torch.set_rng_state(state["rng"]["torch_cpu"])
         if "torch_cuda" in state["rng"] and self.info.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"]["torch_cuda"])
@@ -195,13 +198,15 @@ class Trainer:
         self.start_step, self.wall0, self.tokens_seen = ts["step"], ts["wall_time"], ts["tokens"]
         self.metrics.truncate_after(self.start_step)
         self.say(f"resuming from {path} (step {self.start_step})")
-        self.metrics.write({"kind": "resume", "step": self.start_step, "checkpoint": str(path)})
+        self.metrics.write({"kind": "resume", "step": self.start_step, "checkpoint": str(path),
+                            "checkpoint_bytes_read_per_rank": state["read"]["bytes_per_rank"],
+                            "checkpoint_bytes": state["read"]["bytes_total"]})
 
     def begin(self) -> None:
         """After start or resume: the progress display and the wall clock of this segment of the run."""
         self.progress = Progress(self.tc.steps, self.start_step, self.tc.log_every, self.info.is_main,
                                  label=self.label)
-        self.t_seg = time.time()
+        self.t_seg, self.tokens_seg = time.time(), self.tokens_seen
 
     # --- one step -------------------------------------------------------------------------------------------
     def forward_backward(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -221,7 +226,8 @@ class Trainer:
         statistics (alpha_ma) take one EMA step from every micro-batch of this step on every rank."""
         step_running_stats(self.hf_model)
 
-    def log_step(self, step: int, sums: torch.Tensor, lr: float, grad_norm: float, dt: float) -> dict[str, Any]:
+    def log_step(self, step: int, sums: torch.Tensor, lr: float, grad_norm: float, dt: float,
+                 cost: dict[str, Any] | None = None) -> dict[str, Any]:
         """Average the losses over ranks, write the train record with the variant's statistics, update progress."""
         sums = all_reduce_sum(sums, self.info).cpu().double() / (self.n_micro * self.info.world)
         rec = {"kind": "train", "step": step, "loss": float(sums[0]), "ce_loss": float(sums[1]), "lr": lr,
@@ -229,10 +235,12 @@ class Trainer:
                "wall_time": self.wall0 + time.time() - self.t_seg}
         if self.teacher is not None:
             rec["kd_loss"] = float(sums[2])
+        rec.update(cost or {})
         rec.update(self.token_stats.collect(self.info))
         rec.update(state_per_layer(self.model))
         self.metrics.write(rec)
-        self.progress.update(step, rec["loss"], rec["tokens_per_s"])
+        # One throughput figure: tokens over wall time since this segment began (evaluation and saves included).
+        self.progress.update(step, rec["loss"], (self.tokens_seen - self.tokens_seg) / (time.time() - self.t_seg))
         if not math.isfinite(rec["loss"]):
             raise FloatingPointError(f"loss is {rec['loss']} at step {step}; lower optim.lr or check the data")
         return rec
@@ -242,13 +250,18 @@ class Trainer:
         t0 = time.time()
         lr = set_lr(self.optimizer, s, self.tc.steps, self.cfg.optim.lr, self.cfg.schedule)
         rows, ids = self.batches.next()  # (local_batch, T + 1)
-        sums = self.forward_backward(rows.to(self.info.device), ids)
-        grad_norm = self.optimizer_step()
-        self.after_optimizer_step()
+        rows = rows.to(self.info.device)
+        wait = time.time() - t0
+        with self.syncs.count():
+            sums = self.forward_backward(rows, ids)
+            grad_norm = self.optimizer_step()
+            self.after_optimizer_step()
         dt = time.time() - t0
-        self.train_time += dt
+        self.train_time, self.data_wait = self.train_time + dt, self.data_wait + wait
+        self.syncs_total += self.syncs.last or 0
         self.tokens_seen += self.tokens_per_step
-        self.log_step(s + 1, sums, lr, grad_norm, dt)
+        self.log_step(s + 1, sums, lr, grad_norm, dt,
+                      {"data_wait_s": wait, "host_syncs": self.syncs.last, **self.cost.record(dt)})
 
     # --- evaluation and checkpoints -------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict[str, Any]:
@@ -263,15 +276,20 @@ class Trainer:
     def save(self, step: int, final: bool) -> None:
         if self.teacher is not None:
             self.teacher.flush()
+        # The data position on every rank: a rank-split stream gathers its ranks' positions (collective).
+        state = {"step": step, "data": self.batches.state_dict(), "wall_time": self.wall0 + time.time() - self.t_seg,
+                 "tokens": self.tokens_seen, "config": self.cfg.to_dict(), "variant": self.variant,
+                 "world_size": self.info.world}
+        if not final:  # sharded: every rank writes its part (checkpoint_dcp.py)
+            self.saver.save(self.out_dir / "checkpoints" / ckpt.step_name(step), model=self.model,
+                            optimizer=self.optimizer, hf_model=self.hf_model, tokenizer=self.tok, trainer_state=state,
+                            after=lambda: ckpt.prune(self.out_dir, self.tc.keep_checkpoints))
+            return
+        self.saver.wait()  # final/ is the transformers folder the report and export read, written whole by rank 0
         msd, osd = full_state(self.model, self.optimizer)
         if self.info.is_main:
-            state = {"step": step, "data": self.batches.state_dict(), "wall_time": self.wall0 + time.time() - self.t_seg,
-                     "tokens": self.tokens_seen, "config": self.cfg.to_dict(), "variant": self.variant,
-                     "world_size": self.info.world}
-            target = self.out_dir / "final" if final else self.out_dir / "checkpoints" / ckpt.step_name(step)
-            ckpt.save(target, model=self.hf_model, model_sd=msd, optim_sd=osd, tokenizer=self.tok, trainer_state=state)
-            if not final:
-                ckpt.prune(self.out_dir, self.tc.keep_checkpoints)
+            ckpt.save(self.out_dir / "final", model=self.hf_model, model_sd=msd, optim_sd=osd, tokenizer=self.tok,
+                      trainer_state=state)
         barrier(self.info)
 
     def on_schedule(self, step: int) -> None:
@@ -294,13 +312,21 @@ class Trainer:
                   "qk_logit_mean": ev["qk_logit_mean"] if ev else None,
                   "tokens_per_s": (self.tokens_per_step * (tc.steps - self.start_step) / self.train_time
                                    if self.train_time else None),
-                  "document_mask": self.dc.document_mask,
+                  "document_mask": self.dc.document_mask, **self.run_cost(),
                   "train_time_s": self.train_time, "wall_time_s": self.wall0 + time.time() - self.t_seg,
                   "process_time_s": time.time() - self.t_start, "alpha_ma_max_rank_diff": rank_diff}
         self.metrics.write({"kind": "end", "step": tc.steps, **result})
         if info.is_main:
             atomic_write_json(self.out_dir / "result.json", result)  # compare --resume trusts it by its presence
         return result
+
+    def run_cost(self) -> dict[str, Any]:
+        """MFU, data wait and host syncs over the steps this process trained (None where not measured)."""
+        steps = self.tc.steps - self.start_step
+        if not steps or not self.train_time:
+            return {"mfu": None, "data_wait_s_per_step": None, "host_syncs_per_step": None}
+        return {"mfu": self.cost.record(self.train_time / steps)["mfu"], "data_wait_s_per_step": self.data_wait / steps,
+                "host_syncs_per_step": self.syncs_total / steps if self.syncs.on else None}
 
     def run(self) -> dict[str, Any]:
         """Start or resume, train to train.steps and finish; the run folder is given back however it ends."""

@@ -3,7 +3,11 @@
 metrics.jsonl holds one JSON object per line, tagged by "kind":
   config  first line: the resolved config and run facts (parameters, tokens per step, world size)
   train   every step: step (optimizer updates done, from 1), loss, ce_loss, kd_loss (KD runs), lr, grad_norm (global
-          L2 norm before clipping), tokens_per_s, wall_time (s since the run began, across resumes), tokens;
+          L2 norm before clipping), tokens_per_s (this step, all ranks), wall_time (s since the run began, across
+          resumes), tokens; data_wait_s (time this step waited for its batch), host_syncs (device-to-host waits
+          in forward, backward and optimizer step, counted on CUDA; null elsewhere), student_flops_per_s and
+          teacher_flops_per_s per device, and mfu / mfu_student / mfu_teacher against the device's bf16 dense peak
+          (null where the peak is unknown, e.g. on CPU, where MFU means nothing);
           and the statistics the variant declares: <key>_mean, <key>_std per layer for each per-token statistic
           (variant.token_stats, e.g. affine: alpha_mean, alpha_std over heads and tokens of this step's batches, all
           ranks) and <key> per layer, mean over heads, for each per-head state (variant.state_stats, e.g. alpha_ma,
@@ -18,10 +22,12 @@ query positions, probe sequences and layers, in float32, in eval mode on the fix
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +246,75 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+# bf16 dense peak FLOP/s by CUDA device name (see train/dryrun.GPU_PEAK for the source).
+def device_peak_flops(device: torch.device) -> float | None:
+    """The device's bf16 dense peak, None for a CPU or an unlisted GPU (MFU is then not reported)."""
+    from .dryrun import GPU_PEAK
+
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    return next((peak for gpu, peak in GPU_PEAK.items() if gpu in name), None)
+
+
+class StepCost:
+    """Model FLOPs of one optimizer step (student 6N + attention, live teacher forward 2N + attention, dryrun's
+    formula) and the MFU they make per device in a measured step time."""
+
+    def __init__(self, hf_model: nn.Module, params: int, seq: int, tokens_per_step: int, world: int,
+                 device: torch.device, teacher=None):
+        from .dryrun import flops_per_token, hf_sizes
+
+        self.student = flops_per_token(params=params, seq=seq, **hf_sizes(hf_model.config)) * tokens_per_step / world
+        self.teacher, self.seq, self.tokens = teacher, seq, tokens_per_step / world
+        self.peak = device_peak_flops(device)
+        self._teacher_flops: float | None = None
+
+    def teacher_flops(self) -> float:
+        """Per device and step; 0 until a live teacher model is loaded (a teacher cache that answers everything
+        loads none)."""
+        model = getattr(self.teacher, "_model", None)
+        if model is None:
+            return 0.0
+        if self._teacher_flops is None:
+            from .dryrun import flops_per_token, hf_sizes
+
+            n = sum(p.numel() for p in model.parameters())
+            self._teacher_flops = flops_per_token(params=n, seq=self.seq, forward_only=True,
+                                                  **hf_sizes(model.config)) * self.tokens
+        return self._teacher_flops
+
+    def record(self, dt: float) -> dict[str, float | None]:
+        teacher = self.teacher_flops()
+        out = {"student_flops_per_s": self.student / dt, "teacher_flops_per_s": teacher / dt}
+        mfu = (lambda f: f / dt / self.peak) if self.peak else (lambda f: None)
+        out.update(mfu=mfu(self.student + teacher), mfu_student=mfu(self.student), mfu_teacher=mfu(teacher))
+        return out
+
+
+class HostSyncs:
+    """Counts the device-to-host synchronisations inside a block on CUDA (torch's sync debug mode warns at each);
+    `last` is None elsewhere: a CPU has no device to wait for. Other warnings raised in the block are re-issued."""
+
+    def __init__(self, device: torch.device):
+        self.on, self.last = device.type == "cuda", None
+
+    @contextlib.contextmanager
+    def count(self):
+        if not self.on:
+            yield
+            return
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        self.last = len(syncs)
+        for w in caught:
+            if w not in syncs:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

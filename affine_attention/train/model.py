@@ -1,20 +1,8 @@
-"""The student: a transformers causal LM built from [model] (no network), converted to an attention variant;
-parameter counts and the rough per-GPU memory estimate that `--dry-run` prints.
-
-Memory estimate (bytes per GPU; a planning aid, not a measurement):
-  states       16 P  fp32 weights (4) + grads (4) + AdamW exp_avg and exp_avg_sq (8); divided by the world
-               size under FSDP; + 2 P for autocast's bf16 weight copies when training in bf16
-  activations  per micro-batch of b sequences of s tokens, e bytes per element (2 in bf16, 4 in fp32), per layer
-               b s e (8 h + 2 kv + 4 I) (norm in/out, q/k/v, attention and o_proj outputs, SwiGLU's four I-wide
-               tensors; attention itself by a fused kernel, no s x s term), times L layers; with activation
-               checkpointing only each layer's input (b s h e per layer) plus one layer's full set
-  logits       b s V (e + 4 + 4): logits, their fp32 log-softmax and its gradient
-A live KD teacher adds its bf16 weights (2 bytes per teacher parameter) and its own logits; not included.
-"""
+"""The student: a transformers causal LM built from [model] (no network), converted to an attention variant, and its
+parameter count (the memory estimate `--dry-run` prints is in dryrun.py)."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -129,25 +117,3 @@ def count_params(model: nn.Module) -> int:
     """Unique parameters (a tied head counts once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
-
-@dataclass
-class MemoryEstimate:
-    states: float
-    activations: float
-    logits: float
-
-    @property
-    def total(self) -> float:
-        return self.states + self.activations + self.logits
-
-
-def memory_estimate(cfg: RunConfig, params: int, world: int, bf16: bool) -> MemoryEstimate:
-    """Per-GPU bytes by the module docstring's formula."""
-    mc, b, s = cfg.model, cfg.train.micro_batch, cfg.data.seq_len
-    e = 2 if bf16 else 4
-    h, L, V, inter = mc.hidden_size, mc.num_layers, mc.vocab_size, mc.intermediate_size
-    kv = mc.num_kv_heads * (mc.head_dim or h // mc.num_heads)
-    states = 16 * params / (world if cfg.train.parallel == "fsdp" else 1) + (2 * params if bf16 else 0)
-    per_layer = b * s * e * (8 * h + 2 * kv + 4 * inter)
-    acts = (L * b * s * h * e + per_layer) if cfg.train.activation_checkpointing else L * per_layer
-    return MemoryEstimate(states, acts, b * s * V * (e + 8))

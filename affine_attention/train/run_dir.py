@@ -20,7 +20,7 @@ from .metrics import read_log
 # A new run refuses a folder holding any of RUN_FILES (nothing is replaced silently).
 RUN_FILES = ("metrics.jsonl", "result.json", "final", "checkpoints")
 # Keys that may differ between a run and its resume (they change nothing computed).
-RESUME_FREE_KEYS = {"train.out_dir", "train.log_every", "train.threads"}
+RESUME_FREE_KEYS = {"train.out_dir", "train.log_every", "train.threads", "train.async_checkpoint"}
 FINAL_LOSS_WINDOW = 0.05  # final train loss = mean over the last 5% of steps (at least 1)
 LOCK_FILE = ".lock"
 
@@ -99,6 +99,10 @@ def check_out_dir(out_dir: Path, resume: bool) -> None:
         raise ValueError(f"--out {out_dir} is an existing file, not a run folder; choose another --out")
     if resume and not out_dir.is_dir():
         raise ValueError(f"--resume: the run folder {out_dir} does not exist; pass the --out of the run to continue")
+    existing = next(p for p in (out_dir, *out_dir.absolute().parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out_dir}: {existing} is not writable (a read-only filesystem or no permission); "
+                         "choose a writable --out")
 
 
 def check_no_run(out_dir: Path) -> None:

@@ -5,7 +5,8 @@ Layout: <cache_dir>/<hash>/key.json (what the hash covers), teacher.json (the te
 output size, so later runs check the student without loading the teacher) and shard-*.safetensors, each holding
 ids (n,) int64, values (n, T, k) in the teacher's logits dtype and indices (n, T, k) int32. Shards are written to a
 temporary name, fsynced and renamed, so a reader never sees a partial shard; several ranks or runs may write
-concurrently (unique names; a sequence cached twice holds identical data). Rows are read lazily (memory-mapped).
+concurrently (unique names; a sequence cached twice holds identical data). Rows are read lazily (memory-mapped);
+each shard carries a sha256 of its tensors in its safetensors metadata, checked when its first row is read.
 """
 from __future__ import annotations
 
@@ -24,6 +25,27 @@ from torch import Tensor
 from .._files import atomic_write_bytes
 
 
+def _digest(tensors: dict[str, Tensor]) -> str:
+    """sha256 over the shard's tensors (name, dtype, shape and bytes of ids, values, indices)."""
+    h = hashlib.sha256()
+    for name in ("ids", "values", "indices"):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}:".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _verify(path: Path, handle) -> None:
+    """A shard's tensors against the checksum in its metadata; a mismatch or none is an error naming the file."""
+    want = (handle.metadata() or {}).get("sha256")
+    got = _digest({name: handle.get_tensor(name) for name in ("ids", "values", "indices")})
+    if want != got:
+        why = "has no checksum (written by an older version)" if want is None else "fails its checksum (its data " \
+              "changed on disk)"
+        raise ValueError(f"teacher cache shard {path} {why}; delete it and rerun (its sequences are recomputed "
+                         "from the teacher)")
+
+
 class TeacherCache:
     def __init__(self, root: str, key: dict[str, Any], *, shard_sequences: int = 256, rank: int = 0):
         blob = json.dumps(key, sort_keys=True)
@@ -35,6 +57,7 @@ class TeacherCache:
         self._index: dict[int, tuple[Path, int]] = {}
         self._handles: dict[Path, Any] = {}
         self._pending: dict[int, tuple[Tensor, Tensor]] = {}
+        self._unverified: set[Path] = set()  # shards whose checksum is checked on their first read
         self._scan()
 
     def _scan(self) -> None:
@@ -48,6 +71,7 @@ class TeacherCache:
                 raise ValueError(f"teacher cache shard {path} is unreadable ({err}); delete it and rerun "
                                  "(its sequences are recomputed)") from None
             self._handles[path] = handle
+            self._unverified.add(path)
             for row, i in enumerate(ids):
                 self._index.setdefault(int(i), (path, row))
 
@@ -65,6 +89,9 @@ class TeacherCache:
             elif i in self._index:
                 path, row = self._index[i]
                 h = self._handles[path]
+                if path in self._unverified:
+                    _verify(path, h)
+                    self._unverified.discard(path)
                 out.append((h.get_slice("values")[row:row + 1][0], h.get_slice("indices")[row:row + 1][0]))
             else:
                 out.append(None)
@@ -88,7 +115,7 @@ class TeacherCache:
         }
         name = f"shard-r{self.rank}-{ids[0]:010d}-{uuid.uuid4().hex[:8]}.safetensors"
         tmp = self.dir / f".{name}.tmp"
-        save_file(tensors, str(tmp))
+        save_file(tensors, str(tmp), metadata={"sha256": _digest(tensors)})
         os.chmod(tmp, 0o644)  # a shared cache: readable by other users' runs
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())

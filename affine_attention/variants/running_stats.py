@@ -112,7 +112,9 @@ def watch(module: nn.Module) -> None:
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
     global _WARNED
-    due = [m for m in list(_WATCHED) if m.training]
+    # A model on the meta device (a dry run's, a deferred init) holds no counts to read, and any other model's
+    # optimizer step would fail reading them.
+    due = [m for m in list(_WATCHED) if m.training and not m.running_accumulator().is_meta]
     if not due:
         return
     grew = False

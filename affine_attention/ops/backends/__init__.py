@@ -13,6 +13,7 @@ import pkgutil
 import torch
 from torch import Tensor
 
+from .._once import once_differentiable
 from ..._compat import as_dtype, float_acc
 from .._forcing import ForcedChoice
 from ..masks import MaskSpec
@@ -85,6 +86,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float, *, 
     softmax, or None when the chosen backend has none).
     """
     chosen = select(Call.of(q, k, mask, needs_lse=sinks is not None, softcap=softcap), backend)
+    q, k, v = fit_layout(chosen, q), fit_layout(chosen, k), fit_layout(chosen, v)
     score = {} if softcap is None else {"softcap": softcap}  # only a backend that declares softcap receives it
     if not chosen.has_lse:
         return chosen.attention(q, k, v, mask, scale, **score), None
@@ -94,14 +96,28 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float, *, 
     return KernelAttention.apply(chosen, q, k, v, sinks, mask, scale, score)
 
 
+def fit_layout(b: Backend, t: Tensor) -> Tensor:
+    """t: (B, H, T|S, D) as backend b can read it: t itself when b accepts its layout (no copy), else one contiguous
+    copy (differentiable: autograd maps the gradient back onto the original view, summing over expanded dims)."""
+    return t if b.accepts_layout(t) else t.contiguous()
+
+
 def with_sink(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """out: (B, Hq, T, D), lse: (B, Hq, T), sinks: (Hq,) or None -> (out * g, g) with g = sigmoid(lse - s):
     (B, Hq, T) in float32 (float64 for float64); (out, None) without sinks. An empty row (lse = -inf) gets 0."""
     if sinks is None:
         return out, None
     acc = float_acc(out.dtype)
-    gate = torch.sigmoid(as_dtype(lse, acc) - as_dtype(sinks, acc)[None, :, None])
+    gate = torch.sigmoid(_sink_gap(lse, sinks, acc))
     return as_dtype(as_dtype(out, acc) * gate[..., None], out.dtype), gate
+
+
+def _sink_gap(lse: Tensor, sinks: Tensor, acc: torch.dtype) -> Tensor:
+    """lse (B, Hq, T) - sinks (Hq,) in acc: the sink gate is sigmoid of it. A row that sees no key (lse = -inf) under
+    a sink of -inf (no sink) has no mass anywhere: -inf, so its gate is 0, where -inf - -inf would give nan."""
+    lse, s = as_dtype(lse, acc), as_dtype(sinks, acc)[None, :, None]
+    gap = lse - s
+    return torch.where(torch.isneginf(lse) & torch.isneginf(s), torch.full_like(gap, float("-inf")), gap)
 
 
 class KernelAttention(torch.autograd.Function):
@@ -123,6 +139,7 @@ class KernelAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable("the attention kernel")  # a second derivative raises, naming what to use instead
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, gate, sinks = ctx.saved_tensors
         dsinks = None
@@ -133,11 +150,11 @@ class KernelAttention(torch.autograd.Function):
             if ctx.needs_input_grad[4]:
                 # dO . out' = g * (dO . out); d gate / d s = -g (1 - g), and 1 - g = sigmoid(s - lse) does not cancel.
                 delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, Hq, T) = g * dO.out
-                one_minus = torch.sigmoid(sinks.to(acc)[None, :, None] - lse.to(acc))
+                one_minus = torch.sigmoid(-_sink_gap(lse, sinks, acc))
                 dsinks = -(one_minus * delta).sum((0, 2)).to(sinks.dtype)
         dq, dk, dv = ctx.backend.backward(grad, q, k, v, out, lse, ctx.mask, ctx.scale, **ctx.score)
         return None, dq, dk, dv, dsinks, None, None, None
 
 
-__all__ = ["BACKENDS", "Backend", "Call", "KernelAttention", "attention", "backend_names", "forced_name",
+__all__ = ["BACKENDS", "Backend", "Call", "KernelAttention", "attention", "backend_names", "fit_layout", "forced_name",
            "get_backend", "select", "use_backend", "with_sink"]

@@ -56,6 +56,16 @@ class Backend:
     #: Whether forward/backward take `softcap=c` (logits c * tanh(x / c)); the dispatcher never hands a capped call
     #: to a backend that cannot cap, since plain softmax on uncapped logits would be silently wrong.
     softcap: bool = False
+    #: The memory layouts the kernel reads correctly. "any": every strided view (eager ops, or torch's SDPA, which
+    #: fixes layouts itself). "last_dim_contiguous": the head dimension D must have stride 1 (aten's flash kernels
+    #: read D as a dense vector and, given a transposed or D-expanded view, read memory that is not the input).
+    layout: str = "any"
+
+    def accepts_layout(self, t: Tensor) -> bool:
+        """Whether this kernel reads t: (B, H, T|S, D) correctly as it is laid out in memory."""
+        if self.layout == "any":
+            return True
+        return t.shape[-1] <= 1 or t.stride(-1) == 1
 
     def supports(self, call: Call) -> str | None:
         """None if this backend computes `call` exactly; otherwise a short reason naming what it lacks."""

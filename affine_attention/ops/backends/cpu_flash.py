@@ -67,6 +67,7 @@ def _blocks(mask: MaskSpec, device: torch.device) -> list[tuple[int, int, int, i
 class CpuFlashBackend(Backend):
     name = "cpu_flash"
     priority = 20  # the lse path on CPU
+    layout = "last_dim_contiguous"
 
     def supports(self, call: Call) -> str | None:
         m = call.mask

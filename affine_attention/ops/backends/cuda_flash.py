@@ -266,6 +266,7 @@ def _unused(device) -> tuple[Tensor, Tensor]:
 class CudaFlashBackend(Backend):
     name = "cuda_flash"
     priority = 30  # the lse path on CUDA
+    layout = "last_dim_contiguous"
 
     def supports(self, call: Call) -> str | None:
         if call.device_type != "cuda":

@@ -1,0 +1,67 @@
+"""`affine-attention export`: one checkpoint of a run (a sharded step checkpoint or final/) as a transformers-loadable
+folder (model safetensors with the variant, config, tokenizer), written atomically into a new folder."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+from . import checkpoint as ckpt
+
+# The training state of a full checkpoint that a transformers folder does not carry.
+_TRAINING_FILES = {"optimizer.safetensors", "optimizer.json", "rng.safetensors", "trainer_state.json", ckpt.MANIFEST}
+
+
+def pick(run_dir: Path, step: int | None) -> Path:
+    """The intact checkpoint of `run_dir` at `step` (final/ when it is that step), or the newest intact one."""
+    found = ckpt.candidates(run_dir)
+    if not found:
+        raise ValueError(f"export: no checkpoint in {run_dir} (looked in checkpoints/step-* and final/); "
+                         "pass the --out folder of a train run")
+    if step is not None:
+        at = [p for s, p in found if s == step]
+        if not at:
+            raise ValueError(f"export: {run_dir} has no checkpoint of step {step}; it has steps "
+                             f"{sorted({s for s, _ in found})}")
+        found = [(step, at[0])]
+    for _, path in found:
+        problem = ckpt.verify(path)
+        if problem is None:
+            return path
+        if step is not None:
+            raise ValueError(f"export: checkpoint {path} is damaged ({problem}); pick another --step")
+    raise ValueError(f"export: no intact checkpoint in {run_dir}; every one failed verification")
+
+
+def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Path:
+    """Write checkpoint `step` (default: the newest intact) of `run_dir` to the new folder `out`; returns the
+    checkpoint it read. Single process: the model is built whole on the CPU."""
+    run_dir, out = Path(run_dir), Path(out)
+    if out.exists():
+        raise ValueError(f"export: --out {out} exists; choose a new folder (nothing is overwritten)")
+    path = pick(run_dir, step)
+    fmt = ckpt._manifest(path)[0]["format"]
+    tmp = ckpt.temporary(out)
+    tmp.mkdir(parents=True)
+    try:
+        if fmt == 1:  # already a transformers folder: everything but the training state
+            for f in path.iterdir():
+                if f.is_file() and f.name not in _TRAINING_FILES:
+                    shutil.copy2(f, tmp / f.name)
+        else:
+            _write_sharded(path, tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _write_sharded(path: Path, tmp: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from ..hf.sharded import load_sharded_model
+
+    load_sharded_model(path).save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
