@@ -85,8 +85,10 @@ def main() -> None:
         else:
             print(f"### FSDP2 all-gather bytes per micro-batch ({info.world} ranks, gloo, hidden {a.hidden}, "
                   f"{a.layers} layers, vocab {a.vocab}, {a.micro_batch} x {a.seq} tokens, forward + backward)\n")
-            print("| parameters | all-gathered (MiB, per rank) | loss | master weights | gradients |\n|---|---|---|---|---|")
-            for prec, label in (("fp32", "fp32 (today: with or without autocast)"), ("bf16", "bf16 MixedPrecisionPolicy")):
+            print("| parameters | all-gathered (MiB, per rank) | loss | master weights | gradients |")
+            print("|---|---|---|---|---|")
+            for prec, label in (("fp32", "fp32 (today, with or without autocast)"),
+                                ("bf16", "bf16 MixedPrecisionPolicy")):
                 r = res[prec]
                 print(f"| {label} | {r['bytes'] / 2 ** 20:.2f} | {r['loss']:.4f} | {', '.join(r['master_dtypes'])} "
                       f"| {', '.join(r['grad_dtypes'])} |")

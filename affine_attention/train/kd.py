@@ -36,7 +36,7 @@ def _acc(x: Tensor) -> Tensor:
 
 
 def kd_loss_full(student_logits: Tensor, teacher_logits: Tensor, temperature: float) -> Tensor:
-    """T^2 * mean over tokens of KL(p_t || q_s). student_logits, teacher_logits: (..., V). A float32 (float64) scalar."""
+    """T^2 * mean over tokens of KL(p_t || q_s). student_logits, teacher_logits: (..., V). float32 (float64) scalar."""
     t = temperature
     log_q = F.log_softmax(_acc(student_logits) / t, dim=-1).flatten(0, -2)
     log_p = F.log_softmax(_acc(teacher_logits) / t, dim=-1).flatten(0, -2)
@@ -90,8 +90,8 @@ class Teacher:
     """
 
     def __init__(self, cfg: KDConfig, *, student_tok, student_tok_spec: str, student_vocab: int, data_key: str,
-                 seq_len: int, device: torch.device, rank: int = 0, doc_sep: int | None = None, chunk: int = CHUNK_TOKENS,
-                 compile: bool = False):
+                 seq_len: int, device: torch.device, rank: int = 0, doc_sep: int | None = None,
+                 chunk: int = CHUNK_TOKENS, compile: bool = False):
         # doc_sep: the separator id under document masking; the teacher then sees the student's document boundaries.
         self.cfg, self.device, self.rank, self.doc_sep = cfg, device, rank, doc_sep
         self.chunk = chunk  # tokens per chunk of the live top-k (train.loss_chunk_tokens)

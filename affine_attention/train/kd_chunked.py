@@ -88,7 +88,7 @@ def final_hidden(model: nn.Module, inputs: dict) -> Tensor:
 
 
 def _compute_dtype(weight: Tensor) -> torch.dtype:
-    """The dtype the head's matmul runs in: autocast's when it is on (as `lm_head` under autocast), else the weight's."""
+    """The dtype the head's matmul runs in: autocast's when it is on (as `lm_head` would), else the weight's."""
     dev = weight.device.type
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
 
@@ -235,7 +235,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
 
 def head_loss(hidden: Tensor, head: OutputHead, targets: Tensor, *, teacher: dict | None = None,
-              temperature: float = 1.0, kd_alpha: float = 1.0, chunk: int = CHUNK_TOKENS) -> tuple[Tensor, Tensor, Tensor]:
+              temperature: float = 1.0, kd_alpha: float = 1.0,
+              chunk: int = CHUNK_TOKENS) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, ce, kd) means over tokens; loss = kd_alpha * kd + (1 - kd_alpha) * ce with a teacher, ce without.
 
     hidden: (..., H) final hidden states; targets: (...) int64 next tokens; teacher: see `teacher_chunk` (flattened
