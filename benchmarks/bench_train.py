@@ -68,7 +68,7 @@ def bench_variants(repeats: int) -> str:
 
 def bench_kd(repeats: int, batch_size: int, teacher: str) -> str:
     from affine_attention.train.data import data_key, open_source
-    from affine_attention.train.kd import Teacher, ce_loss
+    from affine_attention.train.kd import Teacher, ce_loss, kd_loss_topk
     from affine_attention.train.model import build_base, convert
     from affine_attention.train.pretrained import load_tokenizer
 
@@ -93,7 +93,10 @@ def bench_kd(repeats: int, batch_size: int, teacher: str) -> str:
     cached._model = None
 
     def kd_loss_with(t: Teacher):
-        return lambda logits, inputs, targets: t.loss(logits, t.targets(inputs, ids))
+        def loss(logits, inputs, targets):
+            top = t.targets(inputs, ids)
+            return kd_loss_topk(logits, top["values"], top["indices"], t.cfg.temperature)
+        return loss
 
     methods = {
         "CE only (no teacher)": _step_fn(convert(base, "affine"), batch, lambda lg, i, t: ce_loss(lg, t)),

@@ -57,7 +57,10 @@ def test_chunked_equals_full_loss_values_and_gradients_in_float64(kind, T, alpha
     torch.testing.assert_close(gh, rh, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(gw, rw, rtol=1e-10, atol=1e-12)
     z = head.post(hidden @ weight.t()).detach()
-    assert float(ce) == pytest.approx(float(ce_loss(z[None], y[None])), rel=1e-12)
+    if kind != "ce" and alpha == 1.0 and T != 1.0:
+        assert ce.isnan()  # skipped: its weight is 0 and at T != 1 it would cost a pass of its own
+    else:
+        assert float(ce) == pytest.approx(float(ce_loss(z[None], y[None])), rel=1e-12)
     if kind == "ce":
         assert float(kd) == 0.0
     else:
@@ -106,6 +109,13 @@ def test_gradients_through_a_tiny_model_with_tied_embeddings_match_the_full_loss
     assert float(loss) == pytest.approx(float(ref.detach()), rel=1e-12)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_the_configs_default_chunk_is_the_losss():
+    from affine_attention.train.config import TrainConfig
+    from affine_attention.train.kd_chunked import CHUNK_TOKENS
+
+    assert TrainConfig().loss_chunk_tokens == CHUNK_TOKENS
 
 
 def test_a_negative_chunk_is_refused():

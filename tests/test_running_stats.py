@@ -164,5 +164,7 @@ def test_trainer_callback_and_package_loop_agree(tmp_path):
                       compute_loss_func=lambda out, labels, num_items_in_batch=None: ce_loss(out.logits, labels) / 2)
     trainer.train()
     got = alpha_ma(hf)
-    assert (got - want).abs().max() <= 1e-6, (got - want).abs().max()
+    # 1e-5: the package loop's CE is computed in chunks from the final hidden states (train/kd_chunked.py), the
+    # Trainer's from whole logits; float32 rounding, grown by lr 0.05 over 3 steps (seen: 1.6e-6; signal: 8e-3)
+    assert (got - want).abs().max() <= 1e-5, (got - want).abs().max()
     assert (got - (1 - 0.9 ** steps) * 0.5).abs().max() > 1e-5  # not the value of a constant alpha = 0.5

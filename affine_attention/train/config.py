@@ -216,13 +216,18 @@ class TrainConfig:
     micro_batch: int = count(16, ge=1)  # sequences per forward on one rank; accumulation = global / (micro * world)
     seed: int = count(0, ge=0, le=2**32 - 1)  # numpy and torch seeds are non-negative
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    # auto: bf16 on CUDA, fp32 on CPU. bf16 = autocast, and under FSDP2 bf16 parameters too (MixedPrecisionPolicy:
+    # half the all-gather bytes; fp32 gradient reduction and fp32 master weights in the optimizer)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun
     activation_checkpointing: bool = False
-    compile: bool = False
+    # Selective checkpointing: with activation_checkpointing, blocks 0, k, 2k, ... are recomputed, the others keep
+    # their activations (train/blocks.py)
+    activation_checkpointing_every: int = count(1, ge=1, note="1: every block")
+    compile: bool = False  # torch.compile each decoder block (and the live teacher's), train/blocks.py
     # Tokens per chunk of the output layer and loss (train/kd_chunked.py): logits exist for this many tokens at a time,
-    # never for a whole micro-batch (liger-kernel's fused linear losses; ~256 suits vocab 128k, hidden 2k).
-    loss_chunk_tokens: int = count(256, ge=0, note="0: all tokens of a micro-batch at once")
+    # never for a whole micro-batch (liger-kernel's fused linear losses): ~3 x 4 x chunk x vocab bytes at a time.
+    loss_chunk_tokens: int = count(128, ge=0, note="0: all tokens of a micro-batch at once")
     threads: int = count(0, ge=0, note="0 keeps torch's default")  # torch intra-op threads
     out_dir: str = ""  # "" -> runs/train-<timestamp>
     log_every: int = count(10, ge=1)  # plain progress lines when stderr is not a terminal

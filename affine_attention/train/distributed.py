@@ -69,8 +69,12 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def wrap(model: nn.Module, info: DistInfo, parallel: str) -> nn.Module:
-    """DDP or FSDP2 (fully_shard on each decoder layer, then the root) under torchrun; the model itself otherwise."""
+def wrap(model: nn.Module, info: DistInfo, parallel: str, bf16: bool = False) -> nn.Module:
+    """DDP or FSDP2 (fully_shard on each decoder layer, then the root) under torchrun; the model itself otherwise.
+
+    bf16 under FSDP2: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): parameters are all-gathered and
+    computed with in bf16 (half the all-gather bytes of fp32), gradients reduced in fp32 into the fp32 shards the
+    optimizer keeps (the master weights). Under DDP bf16 is autocast's alone (steps.autocast_for)."""
     if not info.enabled:
         return model
     if parallel == "ddp":
@@ -80,14 +84,16 @@ def wrap(model: nn.Module, info: DistInfo, parallel: str) -> nn.Module:
         # and the end-of-run check verifies it.
         ids = [info.device.index] if info.device.type == "cuda" else None
         return DDP(model, device_ids=ids, broadcast_buffers=False)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"FSDP2 wrapping expects model.model.layers (decoder layers); {type(model).__name__} has none")
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+          else MixedPrecisionPolicy())
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     return model
 
 

@@ -120,7 +120,9 @@ def memory_terms(cfg: RunConfig, params: int, world: int, bf16: bool,
     # The residual stream and the norms' outputs stay fp32 under autocast (fp32 weights): 6 h-wide tensors at 4 bytes;
     # the projections' outputs are in e; autocast adds bf16 copies of the two norm outputs the matmuls read.
     layer = tokens * (4 * 6 * h + e * (4 * h + 3 * _kv(mc) + 4 * inter) + (2 * 2 * h if bf16 else 0))
-    saved = tokens * 4 * h * L + layer if tc.activation_checkpointing else layer * L
+    # checkpointed blocks (every k-th, blocks.py) keep their fp32 input; one of them is recomputed at a time
+    n_ckpt = -(-L // tc.activation_checkpointing_every) if tc.activation_checkpointing else 0
+    saved = tokens * 4 * h * n_ckpt + layer * (L - n_ckpt) + (layer if n_ckpt else 0)
     t["activations"] = saved + tokens * e * (2 * h + 3 * inter)
     c = min(tc.loss_chunk_tokens or tokens, tokens)
     t["logits + loss"] = 3 * c * V * 4 + 4 * V * h + 4 * tokens * h

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .._compat import float_acc
 from .config import KDConfig
-from .kd_chunked import final_hidden, output_head, topk_chunked
+from .kd_chunked import CHUNK_TOKENS, final_hidden, output_head, topk_chunked
 from .packing import model_inputs
 from .pretrained import load_causal_lm, load_tokenizer, resolve, teacher_identity
 
@@ -36,7 +36,7 @@ def _acc(x: Tensor) -> Tensor:
 
 
 def kd_loss_full(student_logits: Tensor, teacher_logits: Tensor, temperature: float) -> Tensor:
-    """T^2 * mean over tokens of KL(p_t || q_s). student_logits, teacher_logits: (..., V). A float32 (float64) scalar."""
+    """T^2 * mean over tokens of KL(p_t || q_s). student_logits, teacher_logits: (..., V). float32 (float64) scalar."""
     t = temperature
     log_q = F.log_softmax(_acc(student_logits) / t, dim=-1).flatten(0, -2)
     log_p = F.log_softmax(_acc(teacher_logits) / t, dim=-1).flatten(0, -2)
@@ -90,10 +90,12 @@ class Teacher:
     """
 
     def __init__(self, cfg: KDConfig, *, student_tok, student_tok_spec: str, student_vocab: int, data_key: str,
-                 seq_len: int, device: torch.device, rank: int = 0, doc_sep: int | None = None, chunk: int = 256):
+                 seq_len: int, device: torch.device, rank: int = 0, doc_sep: int | None = None,
+                 chunk: int = CHUNK_TOKENS, compile: bool = False):
         # doc_sep: the separator id under document masking; the teacher then sees the student's document boundaries.
         self.cfg, self.device, self.rank, self.doc_sep = cfg, device, rank, doc_sep
         self.chunk = chunk  # tokens per chunk of the live top-k (train.loss_chunk_tokens)
+        self.compile = compile  # compile its decoder blocks as the student's (train.compile)
         self.dtype = teacher_dtype(cfg, device)
         self._model = None
         self.cache = None
@@ -124,6 +126,10 @@ class Teacher:
     def model(self):
         if self._model is None:
             self._model = load_causal_lm(self.cfg.teacher, self.dtype, self.device)
+            if self.compile:
+                from .blocks import compile_blocks
+
+                compile_blocks(self._model)
         return self._model
 
     @torch.no_grad()

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from .._compat import float_acc
 
+CHUNK_TOKENS = 128  # the default chunk (train.loss_chunk_tokens)
 _NO_POSITIONS = torch.empty(0, dtype=torch.long)  # logits_to_keep that keeps no position: the model computes no logits
 
 
@@ -53,10 +54,11 @@ class OutputHead:
             z = torch.tanh(z / self.softcap) * self.softcap
         return z
 
-    def post_backward(self, z: Tensor, grad: Tensor) -> Tensor:
-        """d loss / d raw from d loss / d logits (grad), given the logits z = post(raw); both (n, V), in place."""
+    def post_backward(self, raw: Tensor, grad: Tensor) -> Tensor:
+        """d loss / d raw from d loss / d logits (grad, float32/64, updated in place); raw: (n, V) as in `post`."""
         if self.softcap is not None:
-            grad.mul_(1 - (z / self.softcap) ** 2)  # d/dx c tanh(x / c) = 1 - tanh^2
+            x = raw.to(grad.dtype) / (self.divide or 1.0)
+            grad.mul_(1 - torch.tanh(x / self.softcap) ** 2)  # d/dx c tanh(x / c) = 1 - tanh^2
         if self.divide is not None:
             grad.div_(self.divide)
         return grad
@@ -86,7 +88,7 @@ def final_hidden(model: nn.Module, inputs: dict) -> Tensor:
 
 
 def _compute_dtype(weight: Tensor) -> torch.dtype:
-    """The dtype the head's matmul runs in: autocast's when it is on (as `lm_head` under autocast), else the weight's."""
+    """The dtype the head's matmul runs in: autocast's when it is on (as `lm_head` would), else the weight's."""
     dev = weight.device.type
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
 
@@ -98,46 +100,91 @@ def _no_autocast(device: torch.device):
 
 def teacher_chunk(targets: dict, s: slice) -> dict[str, Tensor]:
     """The teacher's targets for tokens s of a flattened micro-batch. targets: {"logits": (N, V)}, {"hidden": (N, Ht),
-    "head": OutputHead} (logits made here, without gradient), or {"values", "indices": (N, k)} (top-k)."""
+    "head": OutputHead} (logits made here, without gradient), or {"values", "indices": (N, k)} (top-k). Logits come
+    back as a new float32 (float64) tensor that the loss may overwrite."""
     if "hidden" in targets:
         head: OutputHead = targets["head"]
         with torch.no_grad():
             return {"logits": head.post(F.linear(targets["hidden"][s], head.weight))}
-    return {key: targets[key][s] for key in ("logits", "values", "indices") if key in targets}
+    if "logits" in targets:
+        logits = targets["logits"][s]
+        return {"logits": logits.to(float_acc(logits.dtype), copy=True)}
+    return {key: targets[key][s] for key in ("values", "indices")}
+
+
+def _logsumexp(z: Tensor) -> Tensor:
+    """(n, V) -> (n,) with one (n, V) temporary (torch.logsumexp makes two)."""
+    peak = z.amax(dim=-1, keepdim=True)
+    return (z - peak).exp_().sum(-1).log_().add_(peak[:, 0])
 
 
 def _chunk_terms(z: Tensor, y: Tensor, teacher: dict | None, temperature: float, kd_alpha: float,
-                 want_grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """z: (n, V) student logits (float32/64), y: (n,) targets -> (d loss_sum / dz or None, ce_sum, kd_sum or None),
-    where loss_sum = kd_alpha * kd_sum + (1 - kd_alpha) * ce_sum and kd_sum = T^2 * sum over tokens of KL."""
-    t, ce_w = temperature, (1.0 - kd_alpha) if teacher is not None else 1.0
-    lse = torch.logsumexp(z, dim=-1)  # (n,)
-    ce_sum = (lse - z.gather(-1, y[:, None])[:, 0]).sum()  # logged even when its weight is 0 (no gradient then)
-    grad = None
-    if want_grad and ce_w > 0:
-        grad = torch.softmax(z, dim=-1).mul_(ce_w)
-        grad.scatter_add_(-1, y[:, None], grad.new_full((y.shape[0], 1), -ce_w))
-    if teacher is None:
-        return grad, ce_sum, None
-    log_q = z / t - (lse[:, None] / t if t == 1.0 else torch.logsumexp(z / t, dim=-1, keepdim=True))  # (n, V)
-    if "logits" in teacher:
-        log_p = torch.log_softmax(teacher["logits"].to(z.dtype) / t, dim=-1)
-        p = log_p.exp()
-        kl = (p * (log_p - log_q)).sum()
-    else:  # top-k: the teacher renormalised on its k values, the student's full-vocabulary log-probabilities
-        idx = teacher["indices"].long()
-        log_p = torch.log_softmax(teacher["values"].to(z.dtype) / t, dim=-1)  # (n, k)
-        p = log_p.exp()
-        kl = (p * (log_p - log_q.gather(-1, idx))).sum()
-    if want_grad and kd_alpha > 0:
-        # d/dz T^2 sum_j p_j (log p_j - log q_j) = T (q - p), with p zero off the top-k support
-        gk = log_q.exp_().mul_(kd_alpha * t)
+                 want_grad: bool) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """z: (n, V) student logits (float32/64; overwritten), y: (n,) targets -> (d loss_sum / dz or None, ce_sum,
+    kd_sum or None), loss_sum = kd_alpha * kd_sum + (1 - kd_alpha) * ce_sum, kd_sum = T^2 * sum over tokens of KL.
+
+    In place where it can be, with torch's row-wise fused log-softmax: at most three (n, V) tensors live (student,
+    teacher, teacher probabilities). ce_sum is NaN when its weight is 0 and T != 1 (it would cost a pass of its own);
+    at T = 1 it is read off the KD's log-probabilities."""
+    t = temperature
+    ce_w = 1.0 - kd_alpha if teacher is not None else 1.0
+    n = y.shape[0]
+    ce_sum = z.new_full((), float("nan"))
+    soft1 = None  # softmax(z) for the CE gradient when the KD works at another temperature
+    if teacher is not None and t != 1.0 and ce_w > 0:
+        lse1 = _logsumexp(z)
+        ce_sum = (lse1 - z.gather(-1, y[:, None])[:, 0]).sum()
+        soft1 = (z - lse1[:, None]).exp_() if want_grad else None
+    log_q = torch.log_softmax(z.div_(t) if t != 1.0 else z, dim=-1, out=z)  # (n, V), at temperature T
+    if t == 1.0:
+        ce_sum = -log_q.gather(-1, y[:, None]).sum()
+    kd_sum = None
+    if teacher is not None:
         if "logits" in teacher:
-            gk.sub_(p.mul_(kd_alpha * t))
+            log_p = teacher["logits"].to(z.dtype)  # a chunk of its own (teacher_chunk): overwritten
+            log_p = torch.log_softmax(log_p.div_(t) if t != 1.0 else log_p, dim=-1, out=log_p)
+            p = log_p.exp()
+            kd_sum = torch.dot(p.reshape(-1), log_p.sub_(log_q).reshape(-1))  # sum p (log p - log q)
+            del log_p
+        else:  # top-k: the teacher renormalised on its k values, the student's full-vocabulary log-probabilities
+            idx = teacher["indices"].long()
+            log_p = torch.log_softmax(teacher["values"].to(z.dtype) / t, dim=-1)  # (n, k)
+            p = log_p.exp()
+            kd_sum = (p * (log_p - log_q.gather(-1, idx))).sum()
+        kd_sum = (t * t) * kd_sum
+    if not want_grad:
+        return None, ce_sum, kd_sum
+    # d/dz of T^2 sum_j p_j (log p_j - log q_j) is T (q - p) (p zero off a top-k support); of CE: softmax(z) - onehot
+    grad = log_q.exp_()  # q
+    if teacher is None or kd_alpha == 0:
+        grad = grad if soft1 is None else soft1
+        grad.mul_(ce_w)
+    else:
+        a = kd_alpha * t
+        grad.mul_(a + (ce_w if t == 1.0 else 0.0))  # at T = 1 the CE's softmax is q itself
+        if "logits" in teacher:
+            grad.sub_(p, alpha=a)
         else:
-            gk.scatter_add_(-1, idx, p.mul_(-kd_alpha * t))
-        grad = gk if grad is None else grad.add_(gk)
-    return grad, ce_sum, (t * t) * kl
+            grad.scatter_add_(-1, idx, p.mul_(-a))
+        if soft1 is not None:
+            grad.add_(soft1, alpha=ce_w)
+    if ce_w > 0:
+        grad.scatter_add_(-1, y[:, None], grad.new_full((n, 1), -ce_w))
+    return grad, ce_sum, kd_sum
+
+
+def _one_chunk(hidden, w, head, targets, teacher, s, cdt, temperature, kd_alpha, want_grad):
+    """The loss sums of tokens s and, with want_grad, d mean-loss numerator / d raw logits of the chunk (n, V) in
+    cdt, with h = hidden[s] in cdt. A function of its own so that each chunk's (n, V) tensors die at its end."""
+    h = hidden[s].to(cdt)
+    raw = F.linear(h, w)  # (n, V)
+    t_chunk = teacher_chunk(teacher, s) if teacher is not None else None
+    grad, ce_sum, kd_sum = _chunk_terms(head.post(raw), targets[s], t_chunk, temperature, kd_alpha, want_grad)
+    del t_chunk
+    loss_sum = ce_sum if kd_sum is None else kd_sum if kd_alpha == 1.0 else kd_alpha * kd_sum + (1 - kd_alpha) * ce_sum
+    if grad is not None:
+        grad = head.post_backward(raw, grad).to(cdt)
+    return h, grad, torch.stack([loss_sum, ce_sum, kd_sum if kd_sum is not None else ce_sum.new_zeros(())])
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -149,28 +196,30 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=dev) if need_w else None
-        sums = torch.zeros(3, dtype=torch.float64, device=dev)  # loss, ce, kd (sums over tokens)
+        # loss, ce, kd: sums over tokens (float64; MPS has none)
+        sums = torch.zeros(3, dtype=torch.float32 if dev.type == "mps" else torch.float64, device=dev)
         w = weight.to(cdt)
         with _no_autocast(dev):
             for start in range(0, n_tok, chunk or n_tok):
                 s = slice(start, start + (chunk or n_tok))
-                h = hidden[s].to(cdt)
-                raw = F.linear(h, w)  # (n, V)
-                z = head.post(raw)
-                t_chunk = teacher_chunk(teacher, s) if teacher is not None else None
-                grad, ce_sum, kd_sum = _chunk_terms(z, targets[s], t_chunk, temperature, kd_alpha, need_h or need_w)
-                loss_sum = ce_sum if kd_sum is None else kd_alpha * kd_sum + (1 - kd_alpha) * ce_sum
-                sums += torch.stack([loss_sum, ce_sum, kd_sum if kd_sum is not None else ce_sum.new_zeros(())]
-                                    ).double()
-                if grad is not None:
-                    g = head.post_backward(z, grad).div_(n_tok).to(cdt)  # (n, V): d mean loss / d raw
-                    if need_h:
-                        grad_h[s] = g @ w
-                    if need_w:
-                        grad_w.add_((g.t() @ h).to(acc))
+                h, g, chunk_sums = _one_chunk(hidden, w, head, targets, teacher, s, cdt, temperature, kd_alpha,
+                                              need_h or need_w)
+                sums += chunk_sums.to(sums.dtype)
+                if g is None:  # nothing asks for a gradient
+                    continue
+                g.div_(n_tok)  # (n, V): d mean loss / d raw logits
+                if need_h and grad_h.dtype == g.dtype:
+                    torch.mm(g, w, out=grad_h[s])
                 elif need_h:
-                    grad_h[s] = 0
-        ctx.save_for_backward(grad_h, grad_w)
+                    grad_h[s] = g @ w
+                if need_w and g.dtype == acc:
+                    grad_w.addmm_(g.t(), h)
+                elif need_w:
+                    grad_w.add_((g.t() @ h).to(acc))
+                del g
+        # Kept on ctx, not saved tensors: backward hands them over as the only reference, so autograd stores the
+        # weight's gradient as it is instead of copying (V, H) once more.
+        ctx.grads = [grad_h, grad_w]
         ctx.weight_dtype = weight.dtype
         loss, ce, kd = (sums / n_tok).to(acc).unbind()
         ctx.mark_non_differentiable(ce, kd)
@@ -178,19 +227,22 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce, _grad_kd):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
-        gw = None if grad_w is None else (grad_w * grad_loss.to(grad_w.dtype)).to(ctx.weight_dtype)
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None  # a second backward through this graph would find nothing: it is not meant to run twice
+        gh = None if grad_h is None else grad_h.mul_(grad_loss.to(grad_h.dtype))
+        gw = None if grad_w is None else grad_w.mul_(grad_loss.to(grad_w.dtype)).to(ctx.weight_dtype)
         return gh, gw, None, None, None, None, None, None
 
 
 def head_loss(hidden: Tensor, head: OutputHead, targets: Tensor, *, teacher: dict | None = None,
-              temperature: float = 1.0, kd_alpha: float = 1.0, chunk: int = 256) -> tuple[Tensor, Tensor, Tensor]:
+              temperature: float = 1.0, kd_alpha: float = 1.0,
+              chunk: int = CHUNK_TOKENS) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, ce, kd) means over tokens; loss = kd_alpha * kd + (1 - kd_alpha) * ce with a teacher, ce without.
 
     hidden: (..., H) final hidden states; targets: (...) int64 next tokens; teacher: see `teacher_chunk` (flattened
     to (N, ...) like hidden). chunk: tokens per chunk, 0 for all at once. Only `loss` carries a gradient (to hidden
-    and head.weight); the CE term gets none when its weight is 0; kd is 0 without a teacher."""
+    and head.weight); the CE term gets none when its weight is 0, and its value is NaN then unless T = 1 (where it
+    costs nothing); kd is 0 without a teacher."""
     if chunk < 0:
         raise ValueError(f"chunk must be >= 0 (0: all tokens at once), got {chunk}")
     flat = hidden.reshape(-1, hidden.shape[-1])

@@ -13,6 +13,7 @@ from .._files import atomic_write_json
 from ..variants.running_stats import step_running_stats
 from . import checkpoint as ckpt
 from . import checkpoint_dcp
+from .blocks import prepare_blocks
 from .config import RunConfig
 from .config_load import validate
 from .data import TrainBatches, data_key, eval_sequences, open_source, separator_id
@@ -133,13 +134,11 @@ class Trainer:
                              f"has {self.vocab_size}; use the model's own tokenizer or a larger model.vocab_size")
         model.to(self.info.device).train()
         self.n_params = count_params(model)
-        if tc.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        prepare_blocks(model, checkpointing=tc.activation_checkpointing, every=tc.activation_checkpointing_every,
+                       compile=tc.compile)
         self.hf_model = model  # unwrapped: what checkpoints save
-        self.model = wrap(model, self.info, tc.parallel)
+        self.model = wrap(model, self.info, tc.parallel, bf16=self.bf16)
         self.optimizer = build_optimizer(self.model, self.cfg.optim)
-        if tc.compile:
-            self.model = torch.compile(self.model)
 
     def build_teacher(self) -> None:
         cfg, dc = self.cfg, self.dc
@@ -148,7 +147,7 @@ class Trainer:
             self.teacher = Teacher(cfg.kd, student_tok=self.tok, student_tok_spec=self.tok_spec,
                                    student_vocab=self.vocab_size, data_key=data_key(self.source, dc.seq_len),
                                    seq_len=dc.seq_len, device=self.info.device, rank=self.info.rank,
-                                   doc_sep=self.doc_sep, chunk=self.tc.loss_chunk_tokens)
+                                   doc_sep=self.doc_sep, chunk=self.tc.loss_chunk_tokens, compile=self.tc.compile)
 
     # --- start or resume ------------------------------------------------------------------------------------
     def start(self) -> None:

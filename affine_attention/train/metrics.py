@@ -82,29 +82,36 @@ def sum_dtype(device: torch.device) -> torch.dtype:
 
 class TokenStats:
     """Per-layer sums of each declared per-token statistic (variant.token_stats, e.g. affine's alpha), of its square
-    and counts, over the training forwards of one step (forward hooks)."""
+    and counts, over the training forwards of one step (forward hooks).
+
+    Each layer's sums live in a buffer of its variant module (`ACC`, not saved), updated in place by the hook: a
+    compiled, activation-checkpointed block then traces the update as a buffer mutation, applied once per forward,
+    with no Python state changed inside the checkpointed region (which would break the graph there)."""
+
+    ACC = "_token_stats_acc"  # (keys, 3) float64 (float32 on MPS): [sum, sum of squares, count] per key
 
     def __init__(self, model: nn.Module):
         self.mods = [m for m in variant_modules(model) if m.token_stats]
         self.keys = list(dict.fromkeys(k for m in self.mods for k in m.token_stats))
-        # (layer, key, [sum, sum of squares, count]); a layer without a key keeps count 0 and is left out. Made on
-        # the device of the first statistic, so the hooks never wait for the device (one transfer per `collect`).
-        self.acc: torch.Tensor | None = None
-        self.handles = [m.register_forward_hook(self._hook(i), with_kwargs=True) for i, m in enumerate(self.mods)]
+        for m in self.mods:
+            dev = next(iter([*m.parameters(), *m.buffers()])).device
+            m.register_buffer(self.ACC, torch.zeros(len(self.keys), 3, dtype=sum_dtype(dev), device=dev),
+                              persistent=False)
+        self.handles = [m.register_forward_hook(self._hook(), with_kwargs=True) for m in self.mods]
 
-    def _hook(self, i: int):
+    def _hook(self):
+        keys = self.keys
+
         def hook(module, args, kwargs, output):
             # Skip eval forwards and activation-checkpointing recomputations (inside backward).
             if not module.training or recomputing():
                 return
             x = args[3] if len(args) > 3 else kwargs["x"]  # forward(q, k, v, x, ...)
+            acc = getattr(module, TokenStats.ACC)
             with torch.no_grad():
                 for key, a in module.token_statistics(x.detach()).items():  # (B, Hq, T)
-                    a = a.to(sum_dtype(a.device))
-                    if self.acc is None:
-                        self.acc = self._zeros(a.device)
-                    self.acc[i, self.keys.index(key)] += torch.stack([a.sum(), (a * a).sum(),
-                                                                      a.new_tensor(a.numel())])
+                    a = a.to(acc.dtype)
+                    acc[keys.index(key)] += torch.stack([a.sum(), (a * a).sum(), a.new_tensor(a.numel())])
         return hook
 
     def collect(self, info) -> dict[str, list[float]]:
@@ -113,11 +120,11 @@ class TokenStats:
             return {}
         from .distributed import all_reduce_sum
 
-        if self.acc is None:
-            self.acc = self._zeros(info.device)
-        # clone: on a CPU device .to() and .cpu() return the accumulator itself, which zero_() would then clear
-        acc = all_reduce_sum(self.acc.clone().to(info.device), info).cpu().double()  # nccl: device tensors only
-        self.acc.zero_()
+        bufs = [getattr(m, self.ACC) for m in self.mods]
+        # (layer, key, [sum, sum of squares, count]); a layer without a key keeps count 0 and is left out
+        acc = all_reduce_sum(torch.stack(bufs).to(info.device), info).cpu().double()  # nccl: device tensors only
+        for b in bufs:
+            b.zero_()
         out = {}
         for j, key in enumerate(self.keys):
             rows = acc[:, j][acc[:, j, 2] > 0]
@@ -126,9 +133,6 @@ class TokenStats:
             std = (rows[:, 1] / n - mean * mean).clamp(min=0).sqrt()
             out[f"{key}_mean"], out[f"{key}_std"] = mean.tolist(), std.tolist()
         return out
-
-    def _zeros(self, device: torch.device) -> torch.Tensor:
-        return torch.zeros(len(self.mods), len(self.keys), 3, dtype=sum_dtype(device), device=device)
 
     def remove(self) -> None:
         for h in self.handles:

@@ -10,7 +10,7 @@ import torch
 
 from .config import DataConfig
 from .distributed import DistInfo, accumulation
-from .kd_chunked import final_hidden, head_loss, output_head
+from .kd_chunked import CHUNK_TOKENS, final_hidden, head_loss, output_head
 from .metrics import heldout_loss, qk_logit_probe, state_per_head, sum_dtype
 from .packing import model_inputs
 
@@ -25,7 +25,7 @@ def autocast_for(device: torch.device, precision: str):
 
 def accumulate_gradients(model, rows: torch.Tensor, ids: torch.Tensor, *, n_micro: int, micro_batch: int,
                          info: DistInfo, autocast, doc_sep: int | None, teacher=None, kd_alpha: float = 1.0,
-                         temperature: float = 1.0, chunk: int = 256) -> torch.Tensor:
+                         temperature: float = 1.0, chunk: int = CHUNK_TOKENS) -> torch.Tensor:
     """Accumulate gradients over n_micro micro-batches of rows (L, T + 1) with sequence ids (L,); returns (3,)
     sums of micro-batch means of (loss, ce, kd). With a teacher, loss = kd_alpha * kd + (1 - kd_alpha) * ce.
     The loss is made from the final hidden states in chunks of `chunk` tokens (kd_chunked.head_loss)."""

@@ -1,0 +1,51 @@
+"""Activation checkpointing (every k-th decoder block) and per-block torch.compile of a causal LM, applied before
+DDP / FSDP2 wrapping (the order of torchtitan: checkpoint, compile, shard).
+
+Each decoder layer is compiled in place (`nn.Module.compile`: parameter names and checkpoints unchanged), and
+transformers' own checkpointing of a layer is traced by dynamo as a checkpoint region inside that layer's graph.
+Nothing inside such a region may change Python state (dynamo breaks the graph there): the variants' running
+statistics and the trainer's token statistics (metrics.TokenStats) are in-place updates of buffers, which the
+compiled graph applies once per forward and never again when the backward recomputes the block.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """model.model.layers of a transformers causal LM (every supported family), or a clear error."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no model.layers (decoder layers): activation checkpointing and "
+                         "per-block compile need them")
+    return layers
+
+
+def checkpoint_blocks(model: nn.Module, every: int) -> list[int]:
+    """Checkpoint decoder layers 0, every, 2 * every, ... (non-reentrant); returns their indices."""
+    if every < 1:
+        raise ValueError(f"activation checkpointing every {every} blocks: use 1 (every block) or more")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    chosen = []
+    for i, layer in enumerate(decoder_layers(model)):
+        layer.gradient_checkpointing = i % every == 0
+        if layer.gradient_checkpointing:
+            chosen.append(i)
+    return chosen
+
+
+def compile_blocks(model: nn.Module, **compile_kwargs) -> int:
+    """torch.compile every decoder layer in place, fullgraph by default (a graph break inside a block is an error,
+    not a silent slow path); returns how many."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile(**{"fullgraph": True, **compile_kwargs})
+    return len(layers)
+
+
+def prepare_blocks(model: nn.Module, *, checkpointing: bool, every: int, compile: bool) -> None:
+    """Checkpointing first, then compile (so the checkpoint is traced inside each block's graph)."""
+    if checkpointing:
+        checkpoint_blocks(model, every)
+    if compile:
+        compile_blocks(model)

@@ -1,0 +1,108 @@
+"""Memory and time of the KD loss and its backward: today's full-logits loss (`kd.kd_loss_full` on logits h @ W^T,
+the teacher's logits made whole) against the chunked one (`kd_chunked.head_loss`, the teacher's logits made chunk by
+chunk from its final hidden states), at vocabularies 32,000 and 128,256, float32 on the CPU.
+
+Peak memory: the growth of the process's peak resident set (max RSS) over its resident set just before one loss
+and backward, each case in a fresh subprocess, so it counts what the loss allocates above the hidden states and
+weights of both models that exist before it; the head's weight gradient (V x H float32), which both paths leave in
+.grad, is included in both. Time: median of paired ratios over --repeats interleaved runs.
+
+    python benchmarks/bench_kd.py                                   # 2048 tokens, hidden 1024, the default chunk
+    python benchmarks/bench_kd.py --tokens 4096 --hidden 2048 --vocab 32000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import emit, paired_ratios  # noqa: E402
+
+from affine_attention.train.kd import kd_loss_full  # noqa: E402
+from affine_attention.train.kd_chunked import CHUNK_TOKENS, OutputHead, head_loss  # noqa: E402
+
+
+def _inputs(tokens: int, hidden: int, vocab: int):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, hidden, generator=g).requires_grad_()
+    w = torch.randn(vocab, hidden, generator=g).mul_(hidden ** -0.5).requires_grad_()  # in place: no second copy
+    h_t, w_t = torch.randn(tokens, hidden, generator=g), torch.randn(vocab, hidden, generator=g).mul_(hidden ** -0.5)
+    y = torch.randint(0, vocab, (tokens,), generator=g)
+    return h, w, h_t, w_t, y
+
+
+def _methods(h, w, h_t, w_t, y, chunk: int, temperature: float):
+    def full():
+        with torch.no_grad():
+            teacher = h_t @ w_t.t()  # (N, V): today's live teacher hands over whole logits
+        kd_loss_full(h @ w.t(), teacher, temperature).backward()
+        h.grad = w.grad = None
+
+    def chunked():
+        loss, _, _ = head_loss(h, OutputHead(w), y, teacher={"hidden": h_t, "head": OutputHead(w_t)},
+                               temperature=temperature, kd_alpha=1.0, chunk=chunk)
+        loss.backward()
+        h.grad = w.grad = None
+
+    return {"full": full, "chunked": chunked}
+
+
+def one_case(case: str, tokens: int, hidden: int, vocab: int, chunk: int) -> dict:
+    """Peak bytes of one method (run in its own process) and, for the chunked one, its value against the full."""
+    h, w, h_t, w_t, y = _inputs(tokens, hidden, vocab)
+    fn = _methods(h, w, h_t, w_t, y, chunk, 2.0)[case]
+    with open("/proc/self/statm") as f:
+        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    fn()
+    return {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
+    p.add_argument("--chunk", type=int, default=CHUNK_TOKENS)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--case", choices=["full", "chunked"], help=argparse.SUPPRESS)  # one subprocess's case
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    if a.case:
+        print(json.dumps(one_case(a.case, a.tokens, a.hidden, a.vocab[0], a.chunk)))
+        return
+    lines = [f"### KD loss + backward, {a.tokens} tokens, hidden {a.hidden}, chunk {a.chunk}, float32, "
+             f"{torch.get_num_threads()} threads, {a.repeats} repeats", "",
+             "| vocab | full peak (MiB) | chunked peak (MiB) | memory ratio | time ratio (chunked / full) | "
+             "loss rel. diff (float32) |", "|---|---|---|---|---|---|"]
+    for vocab in a.vocab:
+        peaks = {}
+        for case in ("full", "chunked"):
+            cmd = [sys.executable, __file__, "--case", case, "--tokens", str(a.tokens), "--hidden", str(a.hidden),
+                   "--vocab", str(vocab), "--chunk", str(a.chunk)]
+            # glibc returns every block over 128 KiB to the system when freed, so the resident set follows the live
+            # tensors (its default, a threshold that grows to 32 MiB, keeps freed blocks resident)
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+            peaks[case] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True,
+                                                    env=env).stdout)["peak"]
+        h, w, h_t, w_t, y = _inputs(a.tokens, a.hidden, vocab)
+        with torch.no_grad():
+            ref = float(kd_loss_full(h @ w.t(), h_t @ w_t.t(), 2.0))
+            got = float(head_loss(h, OutputHead(w), y, teacher={"hidden": h_t, "head": OutputHead(w_t)},
+                                  temperature=2.0, chunk=a.chunk)[0])
+        res = paired_ratios(_methods(h, w, h_t, w_t, y, a.chunk, 2.0), "full", torch.device("cpu"), a.repeats)
+        del h, w, h_t, w_t
+        mib = 2.0 ** 20
+        lines.append(f"| {vocab:,} | {peaks['full'] / mib:,.0f} | {peaks['chunked'] / mib:,.0f} | "
+                     f"1/{peaks['full'] / peaks['chunked']:.1f} | {res['chunked']['ratio']:.2f} | "
+                     f"{abs(got - ref) / abs(ref):.1e} |")
+    emit("\n".join(lines), a.out)
+
+
+if __name__ == "__main__":
+    main()
