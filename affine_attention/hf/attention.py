@@ -102,7 +102,9 @@ def _variant_mask(mask: Tensor | None, B: int, T: int, S: int, training: bool):
             # (bottom-right aligned) marks the real tokens for the alpha_ma statistic.
             idx = torch.arange(T, device=mask.device)
             token_mask = mask[:, 0, idx, idx + (S - T)].expand(B, T)
-    if key_only and _made_here(mask):
+    # One query (decoding, static caches included): bottom-right causal hides nothing, so both readings coincide and
+    # the key form keeps windows and the running sum of V on their fast paths.
+    if key_only and (T == 1 or _made_here(mask)):
         return mask, True, token_mask, mask[:, 0, 0, :]
     return mask, False, token_mask, None
 
