@@ -129,3 +129,20 @@ def test_compare_resume_restarts_a_sub_run_killed_before_its_first_checkpoint(ti
     assert any("has no checkpoint yet" in m for m in said)
     for v in ("softmax", "affine"):
         assert again["variants"][v]["heldout_loss"] == first["variants"][v]["heldout_loss"]
+
+
+def test_resume_with_another_architecture_is_refused_before_any_weight_is_read(tiny, tmp_path):
+    """The config check comes before the checkpoint's tensors are loaded: another width used to end in a
+    size-mismatch RuntimeError from the state-dict load instead of naming the changed setting."""
+    import shutil
+
+    from affine_attention.train.config_load import load_config
+    from affine_attention.train.loop import train
+
+    run = tmp_path / "r"
+    train(load_config("tiny", tiny + ["train.steps=2", "train.checkpoint_every=1"]), run, log=lambda m: None)
+    shutil.rmtree(run / "final")  # an unfinished run: resume reads its step checkpoint
+    (run / "result.json").unlink()
+    with pytest.raises(ValueError, match=r"different config \(model.hidden_size: checkpoint 32, now 64"):
+        train(load_config("tiny", tiny + ["train.steps=2", "train.checkpoint_every=1", "model.hidden_size=64"]), run,
+              resume=True, log=lambda m: None)

@@ -2,6 +2,7 @@
 single process or torchrun (DDP / FSDP2); `train()` runs them. The run folder is described in run_dir.py."""
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -188,9 +189,10 @@ class Trainer:
             ckpt.recover_partial(self.out_dir, log=self.say)
         barrier(self.info)
         path = checkpoint_dcp.newest(self.out_dir, self.info, log=self.say)
+        # Before any weight is read: another architecture would otherwise end in a size-mismatch error.
+        check_resume_config(json.loads((path / "trainer_state.json").read_text())["config"], self.cfg)
         state = checkpoint_dcp.restore(path, self.model, self.optimizer, self.info, self.cfg.model.tie_embeddings)
         ts = state["trainer_state"]
-        check_resume_config(ts["config"], self.cfg)
         torch.set_rng_state(state["rng"]["torch_cpu"])
         if "torch_cuda" in state["rng"] and self.info.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"]["torch_cuda"])
