@@ -16,8 +16,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """model.model.layers of a transformers causal LM (every supported family), or a clear error."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
-        raise ValueError(f"{type(model).__name__} has no model.layers (decoder layers): activation checkpointing and "
-                         "per-block compile need them")
+        raise ValueError(f"{type(model).__name__} has no model.layers (decoder layers): activation checkpointing, "
+                         "per-block compile and FSDP2 wrapping need them")
     return layers
 
 

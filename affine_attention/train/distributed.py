@@ -86,9 +86,9 @@ def wrap(model: nn.Module, info: DistInfo, parallel: str, bf16: bool = False) ->
         return DDP(model, device_ids=ids, broadcast_buffers=False)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(f"FSDP2 wrapping expects model.model.layers (decoder layers); {type(model).__name__} has none")
+    from .blocks import decoder_layers
+
+    layers = decoder_layers(model)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
           else MixedPrecisionPolicy())
     for layer in layers:
