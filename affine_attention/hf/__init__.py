@@ -8,7 +8,7 @@ import importlib
 
 _LAZY = {
     "convert": "convert", "variant_spec": "layers", "make_spec": "layers",
-    "register": "models", "supported_families": "models",
+    "register": "registration", "supported_families": "models",
     "PRESETS": "presets", "preset_config": "presets", "build_model": "presets", "parameter_overhead": "presets",
     "ATTN_IMPLEMENTATION": "attention", "peft_config": "peft",
 }

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from . import models
-from .families import get_family
 from .attention import ATTN_IMPLEMENTATION
+from .families import get_family
+from .registration import register
 from ..variants import build_variant
 from .layers import CONFIG_KEY, VARIANT_ATTR, attach_variants, attention_layers, layer_shape, make_spec
 
@@ -51,6 +52,7 @@ def convert(model: nn.Module, variant: str, *, function_preserving: bool = False
             spec["retrofit"]["o_proj_scale"] = _fold_output_scale(model)
     _give_own_config(model)
     setattr(model.config, CONFIG_KEY, spec)
+    register()  # transformers accepts the implementation (and AutoModelForCausalLM the saved model) once registered
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     # The model keeps its identity and weights; only its class (and its config's) change to the registered
     # subclasses, which add nothing but the save/load behaviour of converted checkpoints.

@@ -97,8 +97,11 @@ def load_model(spec: str, *, dtype=None, device=None, hub: bool = False, frozen:
     replaced). frozen: requires_grad off on every parameter (a KD teacher)."""
     from transformers import AutoModelForCausalLM
 
-    from . import models  # registers the converted architectures so their checkpoints load
+    from . import models
+    from .registration import register
     from .sharded import is_sharded, load_sharded_model
+
+    register()  # the converted architectures, so that their checkpoints load
 
     path, kwargs = _local(spec, hub, "model")
     if "gguf_file" not in kwargs and is_sharded(path):  # a trainer's step checkpoint (DCP shards)

@@ -3,7 +3,7 @@ families.FAMILIES, e.g. `affine_llama`), registered with AutoConfig / AutoModelF
 
 Each is a subclass of the transformers class that adds no modeling code: the model's `__init__` builds the
 original architecture and attaches the variants recorded in `config.affine_attention` before transformers loads
-the weights. The distinct model type is what makes a converted checkpoint fail loudly, never load as softmax,
+the weights. hf.registration registers them with AutoConfig / AutoModelForCausalLM. The distinct model type is what makes a converted checkpoint fail loudly, never load as softmax,
 where this package is not imported. Checkpoints also carry a small `auto_map` loader file (the Hub path), so
 `trust_remote_code=True` loads them wherever `affine-attention` is installed.
 
@@ -18,13 +18,7 @@ import warnings
 
 from safetensors import SafetensorError
 
-from . import _autoload
-
-_autoload.uninstall()  # this module registers itself below; importing transformers must not re-enter it
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
-
-from . import attention, families, layers, spec_record  # noqa: E402  (siblings used at call time: they may still be initialising here)
+from . import attention, families, layers, spec_record
 
 HUB_LOADER_FILE = "affine_attention_loader.py"
 _PENDING_ATTR = "_affine_attention_pending_record"  # (folder, weights variant, file states before the save)
@@ -245,14 +239,6 @@ def affine_classes(family: str, model_cls: type | None = None):
 _SUBCLASSES: dict[type, type] = {}
 
 
-def register() -> None:
-    """The one registration with transformers (idempotent): the attention seam's attention and mask functions under
-    ATTN_IMPLEMENTATION, and the converted model types with AutoConfig / AutoModelForCausalLM."""
-    AttentionInterface.register(attention.ATTN_IMPLEMENTATION, attention.attention_forward)
-    AttentionMaskInterface.register(attention.ATTN_IMPLEMENTATION, attention.structured_mask)
-    for config_cls, model_cls in _CLASSES.values():
-        AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
-        AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
-
-
-register()
+def converted_classes() -> list[tuple[type, type]]:
+    """(config class, model class) of every family's converted checkpoints, for hf.registration."""
+    return list(_CLASSES.values())

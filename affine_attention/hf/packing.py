@@ -16,15 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _autoload
-
-# This module may be the package's first to import transformers (hf.peft -> hf.layers -> here): registration then
-# runs at its end (below), once the names hf.attention reads from it exist, not from inside this import. Imported
-# by hf.attention, which imported transformers first, it leaves registration to that module's end.
-_REGISTERS = _autoload.installed()
-_autoload.uninstall()
-from transformers.masking_utils import find_packed_sequence_indices  # noqa: E402
-from transformers.utils import is_tracing  # noqa: E402
+from transformers.masking_utils import find_packed_sequence_indices
+from transformers.utils import is_tracing
 
 DOCS_KWARG = "affine_attention_document_ids"
 # One dict per model forward that transformers hands every attention call: the memo in which the seam keeps each
@@ -109,7 +102,3 @@ def attach(model: nn.Module) -> None:
     decoder = model.model
     if getattr(decoder, _HOOK_ATTR, None) is None:
         setattr(decoder, _HOOK_ATTR, decoder.register_forward_pre_hook(detect_packing, with_kwargs=True))
-
-
-if _REGISTERS:
-    _autoload.register()

@@ -60,8 +60,9 @@ def load_sharded_model(path: str | Path, dtype: torch.dtype | None = None):
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from . import models  # noqa: F401  registers the converted architectures
+    from .registration import register
 
+    register()  # the converted architectures, so that AutoConfig reads their configs
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
     # Built for real, not on meta + to_empty: non-persistent buffers (RoPE's inv_freq, constant sinks) are in no
