@@ -30,9 +30,20 @@ def _is_module(dotted: str) -> bool:
     return p.with_suffix(".py").exists() or (p / "__init__.py").exists()
 
 
+def _is_import_module_call(node: ast.AST) -> bool:
+    """`importlib.import_module("...")` or `import_module("...")` with a literal absolute name."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str) and not node.args[0].value.startswith(".")):
+        return False
+    func = node.func
+    return (isinstance(func, ast.Attribute) and func.attr == "import_module") or (
+        isinstance(func, ast.Name) and func.id in ("import_module", "__import__"))
+
+
 def _module_imports() -> dict[str, set[str]]:
-    """Module -> the package's modules it imports, from every `import` statement in it (in functions too):
-    `from .x import name` is an edge to module .x, `from . import sub` one to the submodule."""
+    """Module -> the package's modules it imports, from every `import` statement in it (in functions too) and every
+    `importlib.import_module` of a literal name: `from .x import name` is an edge to module .x, `from . import sub`
+    one to the submodule."""
     graph: dict[str, set[str]] = {}
     for f in PACKAGE.rglob("*.py"):
         me = _module_name(f)
@@ -45,6 +56,8 @@ def _module_imports() -> dict[str, set[str]]:
                 targets = [f"{mod}.{a.name}" if _is_module(f"{mod}.{a.name}") else mod for a in node.names]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
+            elif _is_import_module_call(node):  # importlib.import_module("affine_attention.x"): an import too
+                targets = [node.args[0].value]
             else:
                 continue
             out.update(t for t in targets if t.split(".")[0] == "affine_attention" and t != me)
@@ -83,6 +96,31 @@ def test_no_import_cycle_between_modules():
     assert not cycles, f"import cycles: {sorted(set(cycles))[:5]}"
 
 
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_one_module_registers_with_transformers_and_the_seam_loads_no_model_family():
+    """hf.registration alone registers with transformers (the seam's functions and the converted model types); the
+    seam reaches neither it nor the converted classes (hf.models: every family's transformers classes), and only the
+    top-level package knows the import hook that runs it."""
+    registering = {_module_name(f) for f in PACKAGE.rglob("*.py")
+                   if any(isinstance(n, ast.Attribute) and n.attr == "register" and isinstance(n.value, ast.Name)
+                          and n.value.id in ("AttentionInterface", "AttentionMaskInterface", "AutoConfig",
+                                             "AutoModelForCausalLM") for n in ast.walk(ast.parse(f.read_text())))}
+    hf = "affine_attention.hf."
+    assert registering == {hf + "registration"}
+    graph = _module_imports()
+    assert not {hf + "models", hf + "registration", hf + "_autoload"} & _reach(graph, hf + "attention")
+    assert {m for m, out in graph.items() if hf + "_autoload" in out} == {"affine_attention"}
+
+
 def test_dependencies_point_downwards():
     edges = _folder_imports()
     assert ("analysis", "train") not in edges and ("train", "analysis") not in edges
@@ -108,13 +146,13 @@ def test_the_registry_takes_any_number_of_variants_each_drawn_distinctly():
     free ones of an unbounded palette, so the 10th (or 40th) variant registers and is told apart."""
     from affine_attention.variants.base import Display
 
-    added = []
+    added, before = [], len(variants.REGISTRY)
     try:
         for i in range(40):
             cls = type(f"Extra{i}", (variants.AttentionVariant,), {"name": f"extra_{i}", "display": Display(f"Extra {i}")})
             added.append(variants.register_variant(cls).name)
         shown = [cls.display for cls in variants.REGISTRY.values()]
-        assert len({d.color.upper() for d in shown}) == len(shown) == 8 + 40
+        assert len({d.color.upper() for d in shown}) == len(shown) == before + 40
         assert len({d.marker for d in shown}) == len(shown)
         assert all(len(d.color) == 7 and d.color.startswith("#") for d in shown)
         with pytest.raises(ValueError, match="shares its colour or marker"):
@@ -123,6 +161,35 @@ def test_the_registry_takes_any_number_of_variants_each_drawn_distinctly():
     finally:
         for name in added:
             variants.unregister_variant(name)
+
+
+def test_built_in_variants_register_through_register_variant(monkeypatch):
+    """A built-in declared without a colour or marker gets the palette's like a plug-in (before, the built-ins
+    bypassed register_variant: the colour stayed None and the next registration failed on it)."""
+    import importlib
+
+    from affine_attention.variants.base import Display
+
+    registry = variants.REGISTRY
+    monkeypatch.setattr(variants.ScaledSoftmaxAttention, "display", Display("Scaled softmax"))
+    try:
+        importlib.reload(variants)
+        shown = variants.REGISTRY["scaled_softmax"].display
+        assert shown.color is not None and shown.marker is not None
+        assert list(variants.REGISTRY) == list(registry)
+        extra = variants.register_variant(type("Extra", (variants.AttentionVariant,), {
+            "name": "extra", "display": Display("Extra")})).display
+        colours = {c.display.color.upper() for c in variants.REGISTRY.values()}
+        assert len(colours) == len(variants.REGISTRY) and extra.color.upper() in colours
+    finally:
+        monkeypatch.undo()
+        importlib.reload(variants)
+        registry.clear()
+        registry.update(variants.REGISTRY)
+        variants.REGISTRY = registry  # modules that imported the dict keep the one they hold
+    with pytest.raises(ValueError, match="retrofit_refusal must be text"):
+        variants.register_variant(type("Odd", (variants.AttentionVariant,), {
+            "name": "odd", "display": Display("Odd"), "retrofit_refusal": None}))
 
 
 def test_roles_and_control_pairs_come_from_the_registry():

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import affine_attention
 from affine_attention.text.corpus import corpus_texts
-from affine_attention.variants import variant_names
+from affine_attention.variants import can_retrofit, variant_names
 
 pytestmark = pytest.mark.slow
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -104,7 +104,7 @@ PROMPTS = ["The king said", "Now is the winter of our", "To be, or not to be"]
 def retrofitted(smollm):
     model, _, _ = smollm
     return {v: affine_attention.convert(copy.deepcopy(model), v, function_preserving=True)
-            for v in variant_names() if v != "off_by_one"}  # off_by_one has no retrofit (refused)
+            for v in variant_names() if can_retrofit(v)}
 
 
 def test_function_preserving_conversion_keeps_the_real_model(smollm, retrofitted):

@@ -7,6 +7,7 @@ pytest.importorskip("matplotlib")
 
 from matplotlib.image import imread  # noqa: E402
 
+from affine_attention import variants  # noqa: E402
 from affine_attention.analysis import plots, style  # noqa: E402
 
 VARIANTS = ["softmax", "sink", "affine", "affine_frozen"]
@@ -90,7 +91,7 @@ def test_no_pyplot_figures_left_open(tmp_path):
 
 
 def test_styles_fixed_and_deterministic():
-    names = ["softmax", "off_by_one", "sink", "gated", "affine", "affine_gated", "scaled_softmax", "affine_frozen"]
+    names = variants.variant_names()
     colours = [style.color(n) for n in names]
     assert len(set(colours)) == len(names)  # one distinct colour each
     assert all(c.upper() in style.OKABE_ITO.values() for c in colours)

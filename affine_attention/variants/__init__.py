@@ -15,10 +15,7 @@ from .scaled_softmax import ScaledSoftmaxAttention
 from .sink import OffByOneAttention, SinkAttention, SinkOptions
 from .softmax import SoftmaxAttention
 
-REGISTRY: dict[str, type[AttentionVariant]] = {
-    cls.name: cls for cls in (SoftmaxAttention, OffByOneAttention, SinkAttention, GatedAttention, AffineAttention,
-                              AffineGatedAttention, ScaledSoftmaxAttention, AffineFrozenAttention)
-}
+REGISTRY: dict[str, type[AttentionVariant]] = {}  # filled by register_variant, the built-ins below first
 #: The variant every other is measured against (parameter overheads, paired differences, speed ratios): the base
 #: class itself, which plain transformers attention also equals.
 REFERENCE = AttentionVariant.name
@@ -32,6 +29,9 @@ def register_variant(cls: type[AttentionVariant]) -> type[AttentionVariant]:
         raise ValueError(f"a variant named {cls.name!r} is already registered ({REGISTRY[cls.name].__name__})")
     if cls.role not in ("method", "baseline", "control"):
         raise ValueError(f"{cls.__name__}.role must be 'method', 'baseline' or 'control', got {cls.role!r}")
+    if not isinstance(cls.retrofit_refusal, str):
+        raise ValueError(f"{cls.__name__}.retrofit_refusal must be text ('' when the variant can be retrofitted), got "
+                         f"{cls.retrofit_refusal!r}")
     used_colours = {other.display.color.upper() for other in REGISTRY.values()}
     used_markers = [other.display.marker for other in REGISTRY.values()]
     if cls.display.color is None or cls.display.marker is None:  # the first free ones of an unbounded palette
@@ -47,6 +47,13 @@ def register_variant(cls: type[AttentionVariant]) -> type[AttentionVariant]:
                              "for the first free ones of the palette")
     REGISTRY[cls.name] = cls
     return cls
+
+
+# The built-in variants, through the same checks as a plug-in's (and the palette for a Display without colour).
+for _cls in (SoftmaxAttention, OffByOneAttention, SinkAttention, GatedAttention, AffineAttention, AffineGatedAttention,
+             ScaledSoftmaxAttention, AffineFrozenAttention):
+    register_variant(_cls)
+del _cls
 
 
 def unregister_variant(name: str) -> None:
@@ -86,6 +93,12 @@ def build_variant(name: str, shape: AttentionShape, **options) -> AttentionVaria
     return get_variant(name)(shape, parse_options(name, options))
 
 
+def can_retrofit(name: str) -> bool:
+    """Whether `convert(..., function_preserving=True)` can start the variant at the model's function (with suitable
+    options; some options can still refuse it). A declared fact: `retrofit_refusal` says why not."""
+    return not get_variant(name).retrofit_refusal
+
+
 def is_control(name: str) -> bool:
     """Controls exist to separate a method's gain from a plain output scale (see the ablation preset)."""
     return get_variant(name).role == "control"
@@ -109,7 +122,7 @@ def display(name: str) -> Display:
 
 
 __all__ = [
-    "OKABE_ITO", "REFERENCE", "REGISTRY", "Display", "control_pairs", "display", "register_variant", "role",
+    "OKABE_ITO", "REFERENCE", "REGISTRY", "Display", "can_retrofit", "control_pairs", "display", "register_variant", "role",
     "unregister_variant", "AffineFrozenAttention", "AttentionShape", "AttentionVariant", "AffineAttention", "AffineGatedAttention", "AffineOptions",
     "GatedAttention", "GatedOptions", "OffByOneAttention", "ScaledSoftmaxAttention", "SinkAttention", "SinkOptions",
     "SoftmaxAttention", "build_variant", "get_variant", "is_control", "linear_clip", "options_to_dict",

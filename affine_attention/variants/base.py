@@ -137,6 +137,9 @@ class AttentionVariant(nn.Module):
     #: In a model whose attention already has learned sinks (GPT-OSS), "" means this variant runs its math on that
     #: sink softmax (the model's sinks stay in every denominator); any other text is why it refuses such a model.
     refuses_model_sinks: ClassVar[str] = ""
+    #: "" when `convert(..., function_preserving=True)` can start this variant at the model's function (see
+    #: `retrofit`); otherwise why it never can, whatever its options (`variants.can_retrofit` reads it).
+    retrofit_refusal: ClassVar[str] = ""
 
     def __init__(self, shape: AttentionShape, options=None):
         super().__init__()
@@ -257,12 +260,21 @@ class AttentionVariant(nn.Module):
         """{key: (Hq,)} per-head parameters or running buffers (may be FSDP2 DTensors)."""
         return {}
 
+    @property
+    def value_mean_norm(self) -> str:
+        """How the mean of V this variant reads (`uses_value_mean`) counts keys: "visible" (the keys each query may
+        see) or "full" (every key of the row, an ablation). The decode cache keeps its running sum to match."""
+        return "visible"
+
     def retrofit(self) -> float:
         """Put a freshly built module into its function-preserving state and return c > 0 such that its output then
         equals c times softmax attention's (the caller folds 1 / c into the output projection).
 
         Called by `convert(..., function_preserving=True)` on new modules only; every new parameter must still
-        receive gradient in that state. Variants that cannot preserve the function raise ValueError."""
+        receive gradient in that state. Variants that cannot preserve the function raise ValueError: always those
+        that declare `retrofit_refusal`, others for some options."""
+        if self.retrofit_refusal:
+            raise ValueError(self.retrofit_refusal)
         return 1.0
 
     def retrofit_weight_scale(self) -> float:

@@ -87,14 +87,12 @@ class OffByOneAttention(SinkAttention):
     refuses_model_sinks = ("off_by_one adds a fixed sink of logit 0 to every softmax denominator; the model's "
                            "attention already has learned sinks, so it would have two: use 'sink' (the model's own "
                            "sinks as its parameters) or 'softmax'")
+    retrofit_refusal = ("off_by_one adds a fixed +1 to every softmax denominator and has no parameter that could "
+                        "start it at plain softmax, so it cannot preserve a model's function; use 'sink' (a learnable "
+                        "logit that starts at a negligible mass) or function_preserving=False")
 
     def __init__(self, shape, options=None):
         AttentionVariant.__init__(self, shape, options)
-
-    def retrofit(self) -> float:
-        raise ValueError("off_by_one adds a fixed +1 to every softmax denominator and has no parameter that could "
-                         "start it at plain softmax, so it cannot preserve a model's function; use 'sink' (a "
-                         "learnable logit that starts at a negligible mass) or function_preserving=False")
 
     def _sink_logits(self, device: torch.device):
         return torch.zeros(self.shape.num_heads, device=device)  # made where it is used: no copy per layer
