@@ -7,6 +7,7 @@ import torch
 from test_hf_common import CACHE, FAMILIES, VOCAB, left_padded, perturb, richest, tiny
 from transformers import DynamicCache
 
+import affine_attention
 import affine_attention.hf.cache as value_cache
 from affine_attention.variants import variant_names
 
@@ -49,6 +50,22 @@ def test_cached_decoding_matches_full_forward(variant):
     model = tiny("llama", variant)
     perturb(model)
     _check_stepping_and_generate(model)
+
+
+def test_cached_decoding_keeps_the_running_sum_the_variant_declares(monkeypatch):
+    """The decode cache divides its running value sum as the variant's `value_mean_norm` says (here affine's
+    bias_norm="full" ablation: by every key), not by an option it would have to know the name of: stepping equals
+    the op averaging the cache itself."""
+    model = tiny("llama")
+    affine_attention.convert(model, "affine", bias_norm="full")
+    assert {layer.self_attn.attn_variant.value_mean_norm for layer in model.model.layers} == {"full"}
+    perturb(model)
+    ids, mask, pos = left_padded(T=10)
+    with torch.no_grad():
+        summed = _stepped_logits(model, ids, mask, pos, prefill=6)
+        monkeypatch.setattr(value_cache, "value_mean", lambda *args: None)  # the op's own mean of the cache
+        own = _stepped_logits(model, ids, mask, pos, prefill=6)
+    assert (summed - own)[mask.bool()].abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "llama"])

@@ -146,3 +146,36 @@ def test_an_optimizer_step_with_nothing_accumulated_does_not_make_the_next_step_
         opt.step()
         step_running_stats(model)
     assert not [w for w in caught if issubclass(w.category, running_stats.RunningStatsWarning)]
+
+
+def test_the_ddp_ignore_list_comes_from_the_protocol_not_from_names():
+    """Any variant's accumulator stays rank-local under transformers' DDP, whatever the buffer is called: a plug-in
+    variant counting tokens in `token_tally` gets it ignored, and nothing else of its state is."""
+    import affine_attention
+    from affine_attention.variants import AttentionVariant, register_variant, unregister_variant
+    from affine_attention.variants.base import Display
+
+    class TallyAttention(AttentionVariant, running_stats.RunningStats):
+        name = "tally_test"
+        display = Display("Tally")
+
+        def __init__(self, shape, options=None):
+            super().__init__(shape, options)
+            self.register_buffer("token_tally", torch.zeros(shape.num_heads + 1, dtype=torch.int64))
+            self.register_buffer("kept", torch.zeros(1))
+
+        def running_accumulator(self):
+            return self.token_tally
+
+        def apply_running_stats(self, acc):
+            self.token_tally.zero_()
+
+    register_variant(TallyAttention)
+    try:
+        model = affine_attention.convert(tiny("llama"), "tally_test")
+    finally:
+        unregister_variant("tally_test")
+    want = [f"model.layers.{i}.self_attn.attn_variant.token_tally" for i in range(2)]
+    assert model._ddp_params_and_buffers_to_ignore == want
+    assert running_stats.accumulator_names(tiny("llama", "affine")) == [
+        f"model.layers.{i}.self_attn.attn_variant.alpha_acc" for i in range(2)]

@@ -13,20 +13,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _autoload
-
-_autoload.uninstall()  # registration runs at the end of this module (below); transformers must not start it earlier
-from transformers.masking_utils import (  # noqa: E402
+from transformers.masking_utils import (
     causal_mask_function,
     prepare_padding_mask,
     sdpa_mask,
 )
-from transformers.utils import is_tracing  # noqa: E402
+from transformers.utils import is_tracing
 
-from ..ops.masks import Varlen, parse_mask  # noqa: E402
-from . import cache as value_cache  # noqa: E402
-from . import packing  # noqa: E402
-from .families import HONOURED_KWARGS, INERT_KWARGS, REQUIRED_VALUES, family_of_config  # noqa: E402
+from ..ops.masks import Varlen, parse_mask
+from . import cache as value_cache
+from . import packing
+from .families import HONOURED_KWARGS, INERT_KWARGS, REQUIRED_VALUES, family_of_config
 
 ATTN_IMPLEMENTATION = "affine_attention"
 # Keyword arguments the attention module's pre-hook adds; transformers forwards them to `attention_forward`.
@@ -255,7 +252,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     cache = kwargs.get(CACHE_KWARG)
     if cache is not None and variant.uses_value_mean and mask.window is None and mask.causal:
         v_mean = value_cache.value_mean(cache, module.layer_idx, value, keys, T,
-                                        getattr(variant.options, "bias_norm", "visible"),
+                                        variant.value_mean_norm,
                                         kwargs.get(TRUSTED_KWARG, False), kwargs.get(packing.FORWARD_KWARG))
     kv_nonfinite = None if cache is None else value_cache.nonfinite_heads(
         cache, module.layer_idx, key, value, T, kwargs.get(KV_TRUSTED_KWARG, False))
@@ -297,6 +294,3 @@ def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
         _MADE[id(key_mask)] = key_mask
     return key_mask
 
-
-# Whatever module of this package imported transformers first, the seam and the model types get registered.
-_autoload.register()

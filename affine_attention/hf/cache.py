@@ -58,7 +58,7 @@ def nonfinite_heads(cache, layer_idx: int, key: Tensor, value: Tensor, T: int, t
     key, value: (B, Hkv, S, D), the layer's whole cache after this step's update; trusted: `kv_before_update`. Kept
     on the cache layer and updated from the T rows each step appends (O(T * D) instead of the op's O(S * D) test);
     rebuilt from the whole cache when anything replaced it (crop, reorder, reset)."""
-    from transformers.cache_utils import DynamicLayer  # not at import: see _autoload
+    from transformers.cache_utils import DynamicLayer  # on first use: importing this module stays cheap
 
     layer = _layer(cache, layer_idx)
     if type(layer) is not DynamicLayer or layer.keys is not key or layer.values is not value or \
@@ -118,16 +118,16 @@ def _sum_cached(past: Tensor, km: Tensor | None) -> tuple[Tensor, Tensor]:
     return (past * km).sum(-2, keepdim=True), km.sum(-2, keepdim=True)
 
 
-def value_mean(cache, layer_idx: int, value: Tensor, keys: Tensor | None, T: int, bias_norm: str,
+def value_mean(cache, layer_idx: int, value: Tensor, keys: Tensor | None, T: int, norm: str,
                trusted: bool, memo: dict | None = None) -> Tensor | None:
     """Mean of the visible values for the last T queries, or None when the op should average the cache itself.
 
     value: (B, Hkv, S, D), the layer's whole cache after this step's update; keys: (B|1, S) bool key mask or None
     (causal rule on top, bottom-right aligned: query i sees cache positions <= S - T + i); trusted: what
     `before_update` said; memo: the forward's memo dict (or None). Returns (B, Hkv, T, D) float32 following
-    `bias_norm` ("visible": divide by the visible count; "full": by S).
+    `norm`, the variant's `value_mean_norm` ("visible": divide by the visible count; "full": by S).
     """
-    from transformers.cache_utils import DynamicLayer  # not at import: see _autoload
+    from transformers.cache_utils import DynamicLayer  # on first use: importing this module stays cheap
 
     layer = _layer(cache, layer_idx)
     if type(layer) is not DynamicLayer or layer.values is not value:
@@ -164,7 +164,7 @@ def value_mean(cache, layer_idx: int, value: Tensor, keys: Tensor | None, T: int
     setattr(layer, _COUNT, last_count)
     setattr(layer, _KEYS, keys)
     setattr(layer, _SRC, layer.values)
-    if bias_norm != "visible":
+    if norm != "visible":
         return total / float(max(S, 1))
     # Without key padding every query sees at least its own key: no clamp needed.
     return total / (count if keys is None else count.clamp(min=1))

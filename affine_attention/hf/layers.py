@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from ..variants import AttentionShape, build_variant, options_to_dict, parse_options, variant_names
+from ..variants.running_stats import accumulator_names
 from . import packing
 from .attention import capture_attention_input
 from .families import Family, family_of_config
@@ -97,8 +98,9 @@ def attach_variants(model: nn.Module, spec: Mapping[str, Any], family: Family | 
 def _keep_accumulators_local(model: nn.Module) -> None:
     """DDP broadcasts rank 0's buffers before every forward by default (transformers' Trainer keeps that
     default): it would overwrite each rank's running-statistics accumulator between micro-batches. DDP skips the
-    names listed here on the module it wraps (the causal LM); alpha_ma itself is equal on every rank anyway."""
-    names = [n for n, _ in model.named_buffers() if n.endswith(".alpha_acc")]
+    names listed here on the module it wraps (the causal LM): the accumulators of the running-statistics protocol
+    (variants.running_stats); the statistics themselves are equal on every rank anyway."""
+    names = accumulator_names(model)
     ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
     model._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]
 

@@ -80,8 +80,8 @@ def wrap(model: nn.Module, info: DistInfo, parallel: str, bf16: bool = False) ->
     if parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        # Buffers are not broadcast: the affine variant keeps alpha_ma equal on every rank itself (all-reduce),
-        # and the end-of-run check verifies it.
+        # Buffers are not broadcast: variants with running statistics keep them equal on every rank themselves
+        # (one all-reduce per step, variants.running_stats), and the end-of-run check verifies it.
         ids = [info.device.index] if info.device.type == "cuda" else None
         return DDP(model, device_ids=ids, broadcast_buffers=False)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

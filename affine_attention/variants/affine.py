@@ -125,6 +125,10 @@ class AffineAttention(AttentionVariant, running_stats.RunningStats):
     def state_statistics(self):
         return {"alpha_ma": self.alpha_ma}
 
+    @property
+    def value_mean_norm(self) -> str:
+        return self.options.bias_norm
+
     def retrofit(self) -> float:
         """alpha starts at a constant a (initial_alpha); with alpha_ma = a the bias term vanishes, so the output is
         a * softmax attention. alpha_proj (zero) still gets gradient through alpha * (Attn - mean V)."""

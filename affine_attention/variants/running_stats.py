@@ -56,6 +56,13 @@ def stat_modules(model: nn.Module) -> list[RunningStats]:
     return mods
 
 
+def accumulator_names(model: nn.Module) -> list[str]:
+    """The buffer names (as `model.named_buffers()` gives them) of every running-statistics accumulator in `model`:
+    what a data-parallel wrapper must leave rank-local (DDP's `_ddp_params_and_buffers_to_ignore`)."""
+    accumulators = {id(m.running_accumulator()) for m in stat_modules(model)}
+    return [name for name, buf in model.named_buffers() if id(buf) in accumulators]
+
+
 @torch.no_grad()
 def step_running_stats(model: nn.Module, group=None) -> int:
     """Apply one running-statistics step (alpha_ma EMA) to every layer of `model`; returns how many layers.
