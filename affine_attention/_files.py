@@ -1,29 +1,44 @@
-"""Files a run writes and later reads back: atomic writes for results other steps trust by their presence
-(result.json, summaries, caches: a kill mid-write leaves the old file or none, never a truncated one), the one reader
-of append-only JSON Lines logs (metrics.jsonl: trainer and analysis alike), and JSON read back on resume."""
+"""Files a run writes and later reads back: the one atomic writer, for files other steps trust by their presence
+(result.json, summaries, caches, weights metadata: a kill mid-write leaves the old file or none, never a truncated
+one), the one reader of append-only JSON Lines logs (metrics.jsonl: trainer and analysis alike), and JSON read back
+on resume."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write `data` to a hidden temporary file beside `path`, flush it to disk, then rename it over `path`."""
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A hidden temporary path beside `path` for the caller to write (by name: a writer that takes no file object);
+    on leaving the block its file is flushed to disk and renamed over `path`, or removed if the block raised."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
+        yield tmp
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path) -> Iterator[IO[bytes]]:
+    """A binary file to write that appears at `path` whole, when the block ends without error (see atomic_path)."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        yield f
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

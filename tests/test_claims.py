@@ -1,6 +1,8 @@
 """The verdict rule of the Claims table on hand-made summaries: clear gain, clear loss, overlap, no sink formed."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from affine_attention.analysis.claims import claim_rows, sink_formed, verdict
 
 
@@ -54,3 +56,25 @@ def test_sink_threshold():
     assert not sink_formed([0.05, 0.05], uniform)  # 2.5x uniform: below the 3x threshold
     assert sink_formed([0.5], uniform)  # a one-layer model needs its only layer
     assert not sink_formed([], uniform)
+
+
+def test_one_rule_one_loss_window_for_the_claims_the_report_tables_and_the_run():
+    """The Claims verdict and the report's table verdict are two wordings of _numbers.spread_direction; the run's
+    final train loss and the report's fallback average the same window (_numbers.final_window)."""
+    from affine_attention._numbers import final_window, spread_direction
+    from affine_attention.analysis import report_tables
+    from affine_attention.analysis.compare_run import SeedRun, final_train_loss
+
+    cases = {(-0.10, -0.12, -0.11): -1, (0.10, 0.12, 0.11): 1, (0.10, -0.12, 0.02): 0, (0.0, 0.0): 0, (-0.1,): None,
+             (): None, (-0.10, None, -0.12, float("nan"), -0.11): -1}
+    table = {-1: "method lower", 1: "method higher", 0: "within seed spread"}
+    for diffs, want in cases.items():
+        assert spread_direction(diffs) == want, diffs
+        finite = [d for d in diffs if d is not None and d == d]
+        assert verdict(finite, -1) == {-1: "holds", 1: "does not hold", 0: "within seed spread",
+                                       None: "not testable here"}[want]
+        assert report_tables.verdict(list(diffs)) == table.get(want, "one seed: no spread estimate" if finite else "-")
+    assert [final_window(n) for n in (1, 10, 30, 100, 1000)] == [1, 1, 2, 5, 50]
+    losses = [float(i) for i in range(100)]
+    run = SeedRun("softmax", 0, Path("."), train=[{"loss": x} for x in losses])
+    assert final_train_loss(run) == sum(losses[-5:]) / 5

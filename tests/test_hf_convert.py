@@ -167,7 +167,8 @@ def test_gradients_reach_every_new_parameter(variant):
     ids, mask, pos = left_padded(T=8)
     model(ids, attention_mask=mask, position_ids=pos, labels=ids).loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if ".attn_variant." in n}
-    assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values()), grads.keys()
+    assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
+                         for g in grads.values()), grads.keys()
 
 
 def test_gradient_checkpointing_updates_alpha_ma_once():

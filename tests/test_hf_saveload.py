@@ -80,24 +80,30 @@ def test_never_loads_as_softmax_without_the_package(tmp_path):
     assert direct.returncode != 0 and 'attn_implementation="affine_attention"` is not supported' in direct.stderr
 
 
+def _saved_with_logits(family: str, tmp_path):
+    """A perturbed tiny sink model saved to tmp_path/ckpt, its logits on 12 tokens in tmp_path/ref.pt; the code that
+    checks a reloaded `m` gives the same."""
+    model = tiny(family, "sink")
+    perturb(model)
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    with torch.no_grad():
+        torch.save(model(torch.arange(12)[None]).logits, tmp_path / "ref.pt")
+    same = f"assert torch.equal(m(torch.arange(12)[None]).logits, torch.load({str(tmp_path / 'ref.pt')!r}))\n"
+    return str(ckpt), same
+
+
 @pytest.mark.parametrize("first", [pytest.param("import affine_attention", marks=pytest.mark.slow),
                                    pytest.param("import affine_attention.hf.attention", marks=pytest.mark.slow),
                                    "from affine_attention import peft_config"])
 def test_the_auto_classes_load_a_checkpoint_whichever_module_imported_transformers(first, tmp_path):
     """Registration runs once transformers is imported, also when a module of the package imported it (the seam,
     or hf.packing on the way from peft_config): then once that module has finished, never half-way, never twice."""
-    model = tiny("llama", "sink")
-    perturb(model)
-    ckpt = tmp_path / "ckpt"
-    model.save_pretrained(ckpt)
-    ids = torch.arange(12)[None]
-    with torch.no_grad():
-        torch.save(model(ids).logits, tmp_path / "ref.pt")
-    code = (f"{first}\nimport sys, torch\nfrom transformers import AutoModelForCausalLM\n"
+    ckpt, same = _saved_with_logits("llama", tmp_path)
+    code = (f"{first}\nimport torch\nfrom transformers import AutoModelForCausalLM\n"
             f"from affine_attention.hf import _autoload\nassert not _autoload.installed()\n"
-            f"m = AutoModelForCausalLM.from_pretrained({str(ckpt)!r}).eval()\n"
-            f"assert type(m).__name__ == 'AffineLlamaForCausalLM', type(m)\n"
-            f"assert torch.equal(m(torch.arange(12)[None]).logits, torch.load({str(tmp_path / 'ref.pt')!r}))\n")
+            f"m = AutoModelForCausalLM.from_pretrained({ckpt!r}).eval()\n"
+            f"assert type(m).__name__ == 'AffineLlamaForCausalLM', type(m)\n{same}")
     run = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code], capture_output=True, text=True,
                          stdin=subprocess.DEVNULL, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -105,18 +111,10 @@ def test_the_auto_classes_load_a_checkpoint_whichever_module_imported_transforme
 
 def test_trust_remote_code_loads_through_the_package(tmp_path):
     """The Hub path: the checkpoint's loader file imports affine_attention by itself."""
-    model = tiny("qwen3", "sink")
-    perturb(model)
-    ckpt = tmp_path / "ckpt"
-    model.save_pretrained(ckpt)
-    ids = torch.arange(12)[None]
-    with torch.no_grad():
-        torch.save(model(ids).logits, tmp_path / "ref.pt")
+    ckpt, same = _saved_with_logits("qwen3", tmp_path)
     code = (f"import torch\nfrom transformers import AutoModelForCausalLM\n"
-            f"m = AutoModelForCausalLM.from_pretrained({str(ckpt)!r}, trust_remote_code=True).eval()\n"
-            f"out = m(torch.arange(12)[None]).logits\n"
-            f"assert type(m).__module__ == 'affine_attention.hf.models', type(m)\n"
-            f"assert torch.equal(out, torch.load({str(tmp_path / 'ref.pt')!r})), 'logits differ'\n")
+            f"m = AutoModelForCausalLM.from_pretrained({ckpt!r}, trust_remote_code=True).eval()\n"
+            f"assert type(m).__module__ == 'affine_attention.hf.models', type(m)\n{same}")
     run = _run(code, tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
 

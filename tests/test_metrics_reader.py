@@ -60,3 +60,22 @@ def test_a_damaged_line_before_the_last_is_an_error_naming_file_and_line(tmp_pat
         with pytest.raises(ValueError, match=expected) as err:
             read()
         assert str(err.value).endswith("; repair or remove that line (only the last line can be cut by a kill)")
+
+
+def test_the_one_atomic_writer_leaves_the_old_file_or_the_new_one_never_a_part(tmp_path):
+    """A block that raises leaves the previous file and no temporary; one that ends puts the whole file in place.
+    atomic_path serves writers that take a file name (safetensors' save_file)."""
+    from affine_attention._files import atomic_file, atomic_path, atomic_write_bytes
+
+    target = tmp_path / "result.bin"
+    atomic_write_bytes(target, b"old")
+    with pytest.raises(RuntimeError, match="killed"):
+        with atomic_file(target) as f:
+            f.write(b"half of the new")
+            raise RuntimeError("killed mid-write")
+    assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["result.bin"]
+    with atomic_path(target) as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(".") and not target.read_bytes() == b"new"
+        tmp.write_bytes(b"new")
+        assert target.read_bytes() == b"old"  # nothing visible before the block ends
+    assert target.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["result.bin"]

@@ -87,4 +87,4 @@ def test_two_process_fsdp_compiled_checkpointed_training_equals_eager(tiny_run, 
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
         assert a["alpha_mean"] == pytest.approx(b["alpha_mean"], abs=1e-5)
         assert a["alpha_ma"] == pytest.approx(b["alpha_ma"], abs=1e-6)
-    assert json.loads((tmp_path / "compiled" / "result.json").read_text())["alpha_ma_max_rank_diff"] == 0.0
+    assert json.loads((tmp_path / "compiled" / "result.json").read_text())["running_stats_max_rank_diff"] == 0.0

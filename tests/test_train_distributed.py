@@ -27,7 +27,7 @@ def test_ddp_and_fsdp_follow_single_process(tiny, tmp_path):
             assert abs(a["loss"] - b["loss"]) <= 1e-5, (parallel, a["step"], a["loss"], b["loss"])
             assert max(abs(x - y) for x, y in zip(a["alpha_ma"], b["alpha_ma"])) <= 1e-5
         result = json.loads((out / "result.json").read_text())
-        assert result["world_size"] == 2 and result["alpha_ma_max_rank_diff"] == 0.0
+        assert result["world_size"] == 2 and result["running_stats_max_rank_diff"] == 0.0
         assert abs(result["heldout_loss"] - json.loads((tmp_path / "single" / "result.json").read_text())
                    ["heldout_loss"]) <= 1e-5
         assert (out / "final" / "model.safetensors").is_file()

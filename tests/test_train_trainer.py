@@ -35,4 +35,4 @@ def test_steps_one_by_one(tiny, tmp_path, monkeypatch):
     ev = t.evaluate(2)
     assert ev["kind"] == "eval" and len(ev["alpha_ma"]) == 2 and len(ev["alpha_ma"][0]) == cfg.model.num_heads
     result = t.finish()
-    assert result["heldout_loss"] == ev["heldout_loss"] and result["alpha_ma_max_rank_diff"] == 0.0
+    assert result["heldout_loss"] == ev["heldout_loss"] and result["running_stats_max_rank_diff"] == 0.0

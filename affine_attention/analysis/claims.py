@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._numbers import MIN_SEEDS, SPREAD_FACTOR, mean_std, spread_direction
 from ..variants import REFERENCE
 
 # The rule. A paired difference d (method - reference, one per seed) is read as:
@@ -30,8 +31,7 @@ from ..variants import REFERENCE
 #   "within seed spread" otherwise (including a mean of exactly zero)
 #   "not testable here"  fewer than 2 paired seeds, a metric this run did not measure, or (first-token claim) a
 #                        baseline (variants.REFERENCE) that forms no attention sink
-SPREAD_FACTOR = 2.0
-MIN_SEEDS = 2
+# (SPREAD_FACTOR, MIN_SEEDS and the rule itself live in _numbers.spread_direction: the report's tables read it too.)
 # "The baseline forms an attention sink": its first-token mass, in at least SINK_MIN_LAYERS layers (every
 # layer if the model has fewer), is at least SINK_FACTOR times the uniform share (the mean of 1 / N_i over queries).
 SINK_FACTOR = 3.0
@@ -86,12 +86,10 @@ def marked(verdict_text: str) -> str:
 
 def verdict(diffs: list[float], direction: int) -> str:
     """The rule above, for paired differences (method - reference) and the claimed direction (-1 lower, +1 higher)."""
-    if len(diffs) < MIN_SEEDS:
+    seen = spread_direction(diffs)
+    if seen is None:
         return "not testable here"
-    mean, std = statistics.fmean(diffs), statistics.stdev(diffs)
-    if mean != 0 and abs(mean) > SPREAD_FACTOR * std:
-        return "holds" if mean * direction > 0 else "does not hold"
-    return "within seed spread"
+    return "within seed spread" if seen == 0 else "holds" if seen == direction else "does not hold"
 
 
 def sink_formed(first_token_by_layer: list[float], uniform_share: float) -> bool:
@@ -103,10 +101,8 @@ def sink_formed(first_token_by_layer: list[float], uniform_share: float) -> bool
 
 
 def _summary(diffs: list[float]) -> dict:
-    if not diffs:
-        return {"mean": None, "std": None, "n": 0}
-    return {"mean": statistics.fmean(diffs), "std": statistics.stdev(diffs) if len(diffs) > 1 else None,
-            "n": len(diffs)}
+    mean, std, n = mean_std(diffs)
+    return {"mean": mean, "std": std, "n": n}
 
 
 def claim_rows(per_seed: dict, *, method: str, baseline: str, control: str | None,

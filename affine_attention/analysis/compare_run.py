@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .._files import log_records
+from .._numbers import final_window
 from ..variants import REFERENCE as BASELINE
 from ..variants import REGISTRY
 from . import gradstats
@@ -129,12 +130,11 @@ def is_control(name: str) -> bool:
 
 
 def final_train_loss(r: SeedRun) -> float | None:
-    """result.json's final train loss, else the mean over the last 5% of the logged steps."""
+    """result.json's final train loss, else the mean over the last FINAL_LOSS_WINDOW of the logged steps."""
     if r.result.get("final_train_loss") is not None:
         return r.result["final_train_loss"]
     losses = [t["loss"] for t in r.train if "loss" in t]
-    w = max(1, round(0.05 * len(losses)))
-    return statistics.fmean(losses[-w:]) if losses else None
+    return statistics.fmean(losses[-final_window(len(losses)):]) if losses else None
 
 
 def heldout(r: SeedRun, key: str) -> float | None:

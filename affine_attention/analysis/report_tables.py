@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 
 from .._environment import hardware, versions
-from .._numbers import mean_std
+from .._numbers import FINAL_LOSS_WINDOW, SPREAD_FACTOR, mean_std, spread_direction
 from ..variants import REFERENCE as BASELINE
 from ..variants import REGISTRY, control_pairs
-from .claims import MIN_SEEDS, SPREAD_FACTOR
 from .compare_run import (SeedRun, final_train_loss, heldout, reference_run, role_of, run_config, run_steps,
                           zero_shot_accuracies)
 from .report_template import Table
@@ -32,14 +31,12 @@ def paired(numbers: dict, a: str, b: str, key: str) -> list[float]:
 
 def verdict(diffs: list[float], subject: str = "method") -> str:
     """A rough screen, not a significance test: a direction only when |mean| > SPREAD_FACTOR x the paired sample
-    std (the Claims table's rule, claims.py)."""
-    m, s, n = mean_std(diffs)
-    if m is None:
-        return "-"
-    if n < MIN_SEEDS:
-        return "one seed: no spread estimate"
-    if abs(m) > SPREAD_FACTOR * s:
-        return f"{subject} {'lower' if m < 0 else 'higher'}".strip()
+    std (the Claims table's rule, _numbers.spread_direction)."""
+    seen = spread_direction(diffs)
+    if seen is None:
+        return "-" if mean_std(diffs)[2] == 0 else "one seed: no spread estimate"
+    if seen:
+        return f"{subject} {'lower' if seen < 0 else 'higher'}".strip()
     return "within seed spread"
 
 
@@ -129,8 +126,8 @@ def losses_table(summary: dict, runs: dict[str, list[SeedRun]]) -> tuple[Table, 
         rows.append(row)
     n = sorted({len(rs) for rs in runs.values()})
     cap = (f"Mean ± sample std over {'/'.join(map(str, n))} seed(s) (no ± with one seed). Final train loss: mean "
-           "over the last 5% of steps. Held-out loss: mean next-token cross-entropy at the last evaluation; "
-           f"perplexity = exp(loss). Δparams: extra parameters against {BASELINE}.")
+           f"over the last {FINAL_LOSS_WINDOW:.0%} of steps. Held-out loss: mean next-token cross-entropy at the last "
+           f"evaluation; perplexity = exp(loss). Δparams: extra parameters against {BASELINE}.")
     if tasks:
         cap += " Zero-shot accuracy in %."
     return Table(header, rows, cap, "Table 1. Loss, perplexity" + (" and zero-shot accuracy" if tasks else "")), \

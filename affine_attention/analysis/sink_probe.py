@@ -18,13 +18,13 @@ sink share come from the variant's reference extras when it has them.
 """
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._numbers import mean_std
 from ..ops import softmax_attention_reference
 from .capture import _bind, find_variant_modules
 
@@ -143,6 +143,6 @@ def aggregate(per_seed: list[dict[str, Any]]) -> dict[str, dict]:
     out = {}
     for k in keys:
         vals = [f[k] for f in flats]
-        out[k] = {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else None,
-                  "values": vals}
+        mean, std, _ = mean_std(vals)
+        out[k] = {"mean": mean, "std": std, "values": vals}
     return out

@@ -8,11 +8,11 @@ here, because whatever they produce must never be reported as accuracy.
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
 from .._files import atomic_write_json
+from .._numbers import mean_std
 from .tasks import FIXTURE_TASKS, expand_tasks
 from .tasks import check_tasks as harness_check_tasks
 
@@ -83,6 +83,6 @@ def _per_task(seeds: dict[int, dict[str, float]]) -> dict[str, Any]:
     out = {}
     for t in tasks:
         vals = [acc[t] for _, acc in sorted(seeds.items()) if t in acc]
-        out[t] = {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else None,
-                  "values": vals}
+        mean, std, _ = mean_std(vals)
+        out[t] = {"mean": mean, "std": std, "values": vals}
     return out

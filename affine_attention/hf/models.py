@@ -1,9 +1,9 @@
 """Config and model classes of converted checkpoints (model type `affine_<family>` for every family of
-families.FAMILIES, e.g. `affine_llama`), registered with AutoConfig / AutoModelForCausalLM.
+families.FAMILIES, e.g. `affine_llama`), which hf.registration registers with AutoConfig / AutoModelForCausalLM.
 
 Each is a subclass of the transformers class that adds no modeling code: the model's `__init__` builds the
 original architecture and attaches the variants recorded in `config.affine_attention` before transformers loads
-the weights. hf.registration registers them with AutoConfig / AutoModelForCausalLM. The distinct model type is what makes a converted checkpoint fail loudly, never load as softmax,
+the weights. The distinct model type is what makes a converted checkpoint fail loudly, never load as softmax,
 where this package is not imported. Checkpoints also carry a small `auto_map` loader file (the Hub path), so
 `trust_remote_code=True` loads them wherever `affine-attention` is installed.
 

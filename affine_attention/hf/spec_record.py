@@ -6,12 +6,12 @@ import json
 import os
 import shutil
 import struct
-import uuid
 import warnings
 from importlib import metadata as _dist
 
 from safetensors import safe_open
 
+from .._files import atomic_file
 from . import layers
 
 SPEC_METADATA_KEY = "affine_attention.spec"  # canonical JSON of {"variant": name, "options": {...}}
@@ -88,16 +88,9 @@ def stamp(path: str, record: dict[str, str]) -> None:
         header["__metadata__"] = {**meta, **record}
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)  # safetensors pads the header with spaces so the data stays 8-byte aligned
-        tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-        try:
-            with open(tmp, "wb") as dst:
-                dst.write(struct.pack("<Q", len(raw)) + raw)
-                shutil.copyfileobj(src, dst, 1 << 24)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        with atomic_file(path) as dst:
+            dst.write(struct.pack("<Q", len(raw)) + raw)
+            shutil.copyfileobj(src, dst, 1 << 24)
     if recorded_spec(path) != json.loads(record[SPEC_METADATA_KEY]):  # read back through safetensors itself
         raise RuntimeError(f"{path}: the variant spec written into its metadata does not read back; save again")
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from .._files import atomic_file
 
 __all__ = ["BOS", "BackcopyTask", "task", "SPLITS"]
 
@@ -139,10 +140,8 @@ def _corpus_chain(vocab: int) -> tuple[list[str], np.ndarray, np.ndarray]:
         ids = tok(texts, add_special_tokens=False, verbose=False)["input_ids"]
         stream = np.concatenate([np.asarray(x + [tok.eos_token_id], dtype=np.int64) for x in ids])
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")  # write-then-rename: readers never see half
-        with open(tmp, "wb") as f:
+        with atomic_file(cache) as f:  # readers never see half a file
             np.save(f, stream, allow_pickle=False)
-        os.replace(tmp, cache)
     counts = np.bincount(stream, minlength=len(tok)).astype(np.float64)
     counts[list(tok.all_special_ids)] = 0  # separators are not words
     top = np.argsort(-counts, kind="stable")[:vocab]

@@ -18,7 +18,7 @@ from typing import Any
 
 from .._environment import hardware, versions
 from .._files import atomic_write_json, atomic_write_text
-from .._numbers import mean_std
+from .._numbers import FINAL_LOSS_WINDOW, mean_std
 from ..variants import REFERENCE
 from .config import CompareConfig, RunConfig, config_json, field_range
 from .run_dir import read_result
@@ -62,8 +62,9 @@ def markdown(summary: dict[str, Any], title: str) -> str:
         lines.append("| " + " | ".join(row) + " |")
     seeds = {e["seeds"] for e in summary.values()}
     lines += ["", f"Mean ± sample std over {', '.join(map(str, sorted(seeds)))} seed(s) (no ± with one seed). "
-              "Final train loss: mean over the last 5% of steps. Held-out loss: mean next-token cross-entropy on "
-              "the eval source; perplexity = exp(loss). Wall time includes evaluation and checkpoints."]
+              f"Final train loss: mean over the last {FINAL_LOSS_WINDOW:.0%} of steps. Held-out loss: mean "
+              "next-token cross-entropy on the eval source; perplexity = exp(loss). Wall time includes evaluation and "
+              "checkpoints."]
     return "\n".join(lines) + "\n"
 
 

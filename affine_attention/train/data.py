@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._files import atomic_write_bytes
+from .._files import atomic_file, atomic_write_bytes
 from ..text import documents as text_documents
 from .config import DataConfig, SourceConfig
 from .packed import PackedArray
@@ -97,11 +96,9 @@ def token_stream(src: SourceConfig, tok, cache_dir: str, sep: int) -> tuple[np.n
     tokens = np.concatenate(chunks)
     if path is not None:  # write-then-rename: a concurrent reader never sees half a file
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
+        with atomic_file(path) as f:
             np.save(f, tokens, allow_pickle=False)
-        atomic_write_bytes(_checksum_path(path), _token_digest(tokens).encode())  # before the tokens appear
-        os.replace(tmp, path)
+            atomic_write_bytes(_checksum_path(path), _token_digest(tokens).encode())  # before the tokens appear
     return tokens, key
 
 

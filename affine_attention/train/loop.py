@@ -316,7 +316,7 @@ class Trainer:
                                    if self.train_time else None),
                   "document_mask": self.dc.document_mask, **self.run_cost(),
                   "train_time_s": self.train_time, "wall_time_s": self.wall0 + time.time() - self.t_seg,
-                  "process_time_s": time.time() - self.t_start, "alpha_ma_max_rank_diff": rank_diff}
+                  "process_time_s": time.time() - self.t_start, "running_stats_max_rank_diff": rank_diff}
         self.metrics.write({"kind": "end", "step": tc.steps, **result})
         if info.is_main:
             atomic_write_json(self.out_dir / "result.json", result)  # compare --resume trusts it by its presence

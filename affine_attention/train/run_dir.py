@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .._files import read_json
+from .._numbers import final_window
 from .config import RunConfig
 from .metrics import read_log
 
@@ -21,7 +22,6 @@ from .metrics import read_log
 RUN_FILES = ("metrics.jsonl", "result.json", "final", "checkpoints")
 # Keys that may differ between a run and its resume (they change nothing computed).
 RESUME_FREE_KEYS = {"train.out_dir", "train.log_every", "train.threads", "train.async_checkpoint"}
-FINAL_LOSS_WINDOW = 0.05  # final train loss = mean over the last 5% of steps (at least 1)
 LOCK_FILE = ".lock"
 
 
@@ -175,7 +175,7 @@ def final_losses(out_dir: Path, steps: int, read: bool) -> dict[str, Any]:
     train_losses: list[float] = []
     if read:
         train_losses = [r["loss"] for r in read_log(out_dir / "metrics.jsonl") if r.get("kind") == "train"]
-    window = max(1, round(FINAL_LOSS_WINDOW * steps))
+    window = final_window(steps)
     tail = train_losses[-window:]
     return {"final_train_loss": sum(tail) / len(tail) if tail else None, "final_loss_window": window,
             "last_step_loss": train_losses[-1] if train_losses else None}

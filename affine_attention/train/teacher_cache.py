@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from .._files import atomic_write_bytes
+from .._files import atomic_path, atomic_write_bytes
 
 
 def _digest(tensors: dict[str, Tensor]) -> str:
@@ -114,12 +114,9 @@ class TeacherCache:
             "indices": torch.stack([self._pending[i][1] for i in ids]),
         }
         name = f"shard-r{self.rank}-{ids[0]:010d}-{uuid.uuid4().hex[:8]}.safetensors"
-        tmp = self.dir / f".{name}.tmp"
-        save_file(tensors, str(tmp), metadata={"sha256": _digest(tensors)})
-        os.chmod(tmp, 0o644)  # a shared cache: readable by other users' runs
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.dir / name)
+        with atomic_path(self.dir / name) as tmp:
+            save_file(tensors, str(tmp), metadata={"sha256": _digest(tensors)})
+            os.chmod(tmp, 0o644)  # a shared cache: readable by other users' runs
         self._pending.clear()
         self._scan()
 

@@ -122,9 +122,9 @@ def display(name: str) -> Display:
 
 
 __all__ = [
-    "OKABE_ITO", "REFERENCE", "REGISTRY", "Display", "can_retrofit", "control_pairs", "display", "register_variant", "role",
-    "unregister_variant", "AffineFrozenAttention", "AttentionShape", "AttentionVariant", "AffineAttention", "AffineGatedAttention", "AffineOptions",
-    "GatedAttention", "GatedOptions", "OffByOneAttention", "ScaledSoftmaxAttention", "SinkAttention", "SinkOptions",
-    "SoftmaxAttention", "build_variant", "get_variant", "is_control", "linear_clip", "options_to_dict",
-    "parse_options", "variant_names",
+    "OKABE_ITO", "REFERENCE", "REGISTRY", "Display", "can_retrofit", "control_pairs", "display", "register_variant",
+    "role", "unregister_variant", "AffineFrozenAttention", "AttentionShape", "AttentionVariant", "AffineAttention",
+    "AffineGatedAttention", "AffineOptions", "GatedAttention", "GatedOptions", "OffByOneAttention",
+    "ScaledSoftmaxAttention", "SinkAttention", "SinkOptions", "SoftmaxAttention", "build_variant", "get_variant",
+    "is_control", "linear_clip", "options_to_dict", "parse_options", "variant_names",
 ]
