@@ -2,6 +2,8 @@
 the choice recorded in the saved config and kept through save / load / generate."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from covering import covering_pairs, split_cross
@@ -9,7 +11,7 @@ from test_hf_common import VOCAB, tiny
 from transformers import AutoModelForCausalLM
 
 import affine_attention
-from affine_attention.variants import can_retrofit, variant_names
+from affine_attention.variants import can_retrofit, get_variant, variant_names
 
 PRESERVABLE = [v for v in variant_names() if can_retrofit(v)]
 # Every family with a preservable variant of each kind, every such variant on >= 3 families (tests/covering.py); the
@@ -76,7 +78,7 @@ def test_default_keeps_the_papers_init():
 
 
 @pytest.mark.parametrize("variant, options, match", [
-    ("off_by_one", {}, "cannot preserve a model's function; use 'sink'"),
+    *[(v, {}, re.escape(get_variant(v).retrofit_refusal)) for v in variant_names() if not can_retrofit(v)],
     ("affine_frozen", {"frozen_alpha": 0.0}, "frozen_alpha = 0.0 scales attention to zero"),
     ("scaled_softmax", {"scale": 0.0}, "scale = 0.0 cannot preserve"),
 ])
