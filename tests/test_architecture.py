@@ -95,7 +95,8 @@ def test_dependencies_point_downwards():
 def test_every_variant_has_its_own_colour_and_marker():
     shown = {name: cls.display for name, cls in variants.REGISTRY.items()}
     colours = [d.color.upper() for d in shown.values()]
-    assert len(set(colours)) == len(shown) and set(colours) <= set(variants.OKABE_ITO.values())
+    palette = {variants.base.palette_colour(i) for i in range(18)}  # Okabe-Ito, then Tol muted: colour-blind safe
+    assert len(set(colours)) == len(shown) and set(colours) <= palette
     assert len({d.marker for d in shown.values()}) == len(shown)
     assert len({d.label for d in shown.values()}) == len(shown)
     # the pair that was hard to tell apart (two oranges) now also differs in line style and marker
@@ -108,13 +109,13 @@ def test_the_registry_takes_any_number_of_variants_each_drawn_distinctly():
     free ones of an unbounded palette, so the 10th (or 40th) variant registers and is told apart."""
     from affine_attention.variants.base import Display
 
-    added = []
+    added, before = [], len(variants.REGISTRY)
     try:
         for i in range(40):
             cls = type(f"Extra{i}", (variants.AttentionVariant,), {"name": f"extra_{i}", "display": Display(f"Extra {i}")})
             added.append(variants.register_variant(cls).name)
         shown = [cls.display for cls in variants.REGISTRY.values()]
-        assert len({d.color.upper() for d in shown}) == len(shown) == 8 + 40
+        assert len({d.color.upper() for d in shown}) == len(shown) == before + 40
         assert len({d.marker for d in shown}) == len(shown)
         assert all(len(d.color) == 7 and d.color.startswith("#") for d in shown)
         with pytest.raises(ValueError, match="shares its colour or marker"):

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ._validate import check_per_query, check_qkv, check_scale, check_softcap
 from .masks import MaskSpec, mask_of_call
+from .visible_sums import visible_sum_and_count
 
 
 class Softcap(NamedTuple):
@@ -67,6 +68,13 @@ class Score(NamedTuple):
         return self._replace(q_scale=q_scale if self.q_scale is None else self.q_scale * q_scale)
 
 
+def _counts(mask: MaskSpec, T: int, dtype: torch.dtype, device) -> Tensor:
+    rows = max([t.shape[0] for t in (mask.keys, mask.dense, mask.documents) if t is not None], default=1)
+    _, count = visible_sum_and_count(torch.ones(rows, 1, mask.S, 1, dtype=dtype, device=device), mask, 1)
+    count = count[..., 0].to(dtype)  # (B|1, 1|Hq, T|1)
+    return count.expand(*count.shape[:2], T)
+
+
 def make_score(scale: float | None, softcap: float | None, D: int) -> Score:
     """The score of the keyword dialect: scale (None: 1 / sqrt(D)) and softcap (None: no cap), both checked."""
     cap = check_softcap(softcap)
@@ -99,6 +107,13 @@ class AttentionCall(NamedTuple):
     @property
     def enable_gqa(self) -> bool:
         return self.q.shape[1] != self.k.shape[1]
+
+    def visible_counts(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """(B|1, 1|Hq, T): how many keys each query sees under the call's mask, what a score hook that depends on
+        it reads (e.g. scalable softmax's log N). Structured masks are counted without a T x S tensor, once per
+        mask object (every layer of a forward shares it)."""
+        mask, T = self.mask, self.q.shape[2]
+        return mask.derived(("visible_counts", dtype, self.q.device), lambda: _counts(mask, T, dtype, self.q.device))
 
     @staticmethod
     def of(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None, is_causal: bool = False,

@@ -14,10 +14,12 @@ from .options import options_from_dict, options_to_dict
 from .scaled_softmax import ScaledSoftmaxAttention
 from .sink import OffByOneAttention, SinkAttention, SinkOptions
 from .softmax import SoftmaxAttention
+from .ssmax import ScalableSoftmaxAttention
 
 REGISTRY: dict[str, type[AttentionVariant]] = {
     cls.name: cls for cls in (SoftmaxAttention, OffByOneAttention, SinkAttention, GatedAttention, AffineAttention,
-                              AffineGatedAttention, ScaledSoftmaxAttention, AffineFrozenAttention)
+                              AffineGatedAttention, ScaledSoftmaxAttention, AffineFrozenAttention,
+                              ScalableSoftmaxAttention)
 }
 #: The variant every other is measured against (parameter overheads, paired differences, speed ratios): the base
 #: class itself, which plain transformers attention also equals.
