@@ -53,7 +53,7 @@ def forced_name() -> str | None:
 
 
 def _reason(b: Backend, call: Call) -> str | None:
-    kind = call.score.kind
+    kind = None if call.score is None else call.score.kind
     if kind is not None and kind not in b.score:
         return f"cannot apply the score function {kind!r} ({type(call.score.fn).__name__}) to its logits"
     return b.supports(call)

@@ -35,10 +35,10 @@ class Call(NamedTuple):
     mask: MaskSpec
     needs_lse: bool
     requires_grad: bool
-    score: Score
+    score: Score | None = None  # None: plain logits (q.k scale, no score function)
 
     @staticmethod
-    def of(q: Tensor, k: Tensor, mask: MaskSpec, needs_lse: bool, score: Score) -> "Call":
+    def of(q: Tensor, k: Tensor, mask: MaskSpec, needs_lse: bool, score: Score | None = None) -> "Call":
         B, Hq, T, D = q.shape
         return Call(q.device.type, q.dtype, B, Hq, k.shape[1], T, k.shape[2], D, mask, needs_lse,
                     torch.is_grad_enabled() and (q.requires_grad or k.requires_grad), score)
