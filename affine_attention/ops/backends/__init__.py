@@ -55,7 +55,9 @@ def forced_name() -> str | None:
 def _reason(b: Backend, call: Call) -> str | None:
     kind = None if call.score is None else call.score.kind
     if kind is not None and kind not in b.score:
-        return f"cannot apply the score function {kind!r} ({type(call.score.fn).__name__}) to its logits"
+        if kind == "softcap":
+            return "no logit soft-capping (softcap)"
+        return f"cannot apply a score function ({getattr(call.score.fn, '__name__', type(call.score.fn).__name__)})"
     return b.supports(call)
 
 
