@@ -75,8 +75,9 @@ def test_sliding_window_model_reports_its_windowed_first_token_mass():
     with AttentionRecorder(model, layers=[0], chunk=5) as rec:
         model(ids, use_cache=False)
     hook.remove()
-    q, k, v, x = captured["args"]
-    assert captured["kw"]["mask"].window == window
+    call, x = captured["args"]
+    q, k, v = call.q, call.k, call.v
+    assert call.mask.window == window
     want = _direct(variant, q, k, v, x, {"is_causal": True, "window": window})
     got = rec.results()[0].stats
     for key in KEYS:

@@ -133,7 +133,8 @@ def test_dependencies_point_downwards():
 def test_every_variant_has_its_own_colour_and_marker():
     shown = {name: cls.display for name, cls in variants.REGISTRY.items()}
     colours = [d.color.upper() for d in shown.values()]
-    assert len(set(colours)) == len(shown) and set(colours) <= set(variants.OKABE_ITO.values())
+    palette = {variants.base.palette_colour(i) for i in range(18)}  # Okabe-Ito, then Tol muted: colour-blind safe
+    assert len(set(colours)) == len(shown) and set(colours) <= palette
     assert len({d.marker for d in shown.values()}) == len(shown)
     assert len({d.label for d in shown.values()}) == len(shown)
     # the pair that was hard to tell apart (two oranges) now also differs in line style and marker

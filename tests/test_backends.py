@@ -11,6 +11,7 @@ from affine_attention.ops import (
 )
 from affine_attention.ops.backends import BACKENDS, Call, backend_names, get_backend, select, use_backend
 from affine_attention.ops.backends import cpu_flash
+from affine_attention.ops.call import Score
 from affine_attention.ops.masks import parse_mask
 from affine_attention.ops.reference import attention_logits
 from affine_attention.variants import AttentionShape, build_variant, variant_names
@@ -174,7 +175,7 @@ def test_raw_forward_lse_is_the_log_sum_exp(backend, mask, T):
     b = get_backend(backend)
     if b.supports(call) is not None:
         pytest.skip(f"{backend}: {b.supports(call)}")
-    out, lse = b.forward(q, k, v, call.mask, 0.3)
+    out, lse = b.forward(q, k, v, call.mask, Score(0.3))
     vis = visible_mask(kw.get("attn_mask"), kw.get("is_causal", False), T, S, q.device, window=kw.get("window"),
                        document_ids=kw.get("document_ids"))
     want = attention_logits(q, k, scale=0.3, enable_gqa=True).masked_fill(~vis, float("-inf")).logsumexp(-1)
@@ -313,7 +314,7 @@ def test_each_backend_file_registers_one_backend_in_its_declared_priority_order(
         def supports(self, call):
             return None
 
-        def attention(self, q, k, v, mask, scale):
+        def attention(self, q, k, v, mask, score):
             return torch.zeros_like(q)
 
     register(First)

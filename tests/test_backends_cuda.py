@@ -11,6 +11,7 @@ from affine_attention.ops import (
 )
 from affine_attention.ops.backends import BACKENDS, Call, KernelAttention, get_backend, select
 from affine_attention.ops.backends import cuda_flash
+from affine_attention.ops.call import Score
 from affine_attention.ops.masks import parse_mask
 from conftest import make_qkv
 
@@ -182,10 +183,10 @@ def test_meta_forward_backward_layouts(name, shape, monkeypatch):
     k = torch.empty(B, Hkv, S, D, dtype=torch.bfloat16, device="meta")
     v = torch.empty_like(k)
     assert BACKEND.supports(Call("cuda", q.dtype, B, Hq, Hkv, T, S, D, mask, True, True)) is None
-    out, lse = BACKEND.forward(q, k, v, mask, 0.125)
+    out, lse = BACKEND.forward(q, k, v, mask, Score(0.125))
     assert out.shape == (B, Hq, T, D) and out.dtype == torch.bfloat16 and out.device.type == "meta"
     assert lse.shape == (B, Hq, T) and lse.dtype == torch.float32
-    dq, dk, dv = BACKEND.backward(torch.empty_like(out), q, k, v, out, lse, mask, 0.125)
+    dq, dk, dv = BACKEND.backward(torch.empty_like(out), q, k, v, out, lse, mask, Score(0.125))
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
 
@@ -199,7 +200,7 @@ def test_meta_sink_autograd_wiring(monkeypatch):
     v = torch.empty(B, Hkv, S, D, dtype=torch.bfloat16, device="meta", requires_grad=True)
     sinks = torch.empty(Hq, dtype=torch.float32, device="meta", requires_grad=True)
     mask = parse_mask(None, True, B, Hq, T, S, torch.device("meta"), window=16)
-    out, lse = KernelAttention.apply(BACKEND, q, k, v, sinks, mask, 0.1)
+    out, lse = KernelAttention.apply(BACKEND, q, k, v, sinks, mask, Score(0.1))
     out.sum().backward()
     for t in (q, k, v, sinks):
         assert t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype
@@ -292,7 +293,7 @@ def test_empty_rows_give_zero_and_neg_inf(cpu_model):
     q, k, v = make_qkv(2, 2, 2, 6, 4, 8, requires_grad=False)
     for kw in ({"is_causal": True}, {"attn_mask": _keys(2, 4, [(1, 4), (0, 0)])}):
         mask = parse_mask(kw.get("attn_mask"), kw.get("is_causal", False), 2, 2, 6, 4, torch.device("cpu"))
-        out, lse = BACKEND.forward(q, k, v, mask, 0.3)
+        out, lse = BACKEND.forward(q, k, v, mask, Score(0.3))
         empty = ~mask.dense_bool(q.device).expand(2, 2, 6, 4).any(-1)
         assert empty.any() and torch.isneginf(lse[empty]).all() and torch.isfinite(lse[~empty]).all()
         assert (out[empty] == 0).all()
@@ -314,7 +315,7 @@ def test_lse_term_guard_would_fail(cpu_model):
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=f"backend {b.name}")
     mask = parse_mask(None, True, B, Hq, T, S, q.device)
-    out, lse = KernelAttention.apply(BACKEND, q, k, v, None, mask, q.shape[-1] ** -0.5)
+    out, lse = KernelAttention.apply(BACKEND, q, k, v, None, mask, Score(q.shape[-1] ** -0.5))
     naive = out * torch.sigmoid(lse - sinks[None, :, None])[..., None]  # lse carries no gradient
     for g, w in zip(_grads(naive, (q, k)), want):
         assert (g - w).abs().max() > 0.1 * w.abs().max()
@@ -391,7 +392,7 @@ def test_cuda_empty_rows_and_lse_guard():
     """On the real kernel: empty rows give out 0 / lse -inf, and the sink's dq, dk keep the lse term."""
     q, k, v = (torch.randn(2, 4, t, 64, device="cuda", dtype=torch.bfloat16) for t in (96, 64, 64))
     mask = parse_mask(None, True, 2, 4, 96, 64, q.device)
-    out, lse = BACKEND.forward(q, k, v, mask, 0.125)
+    out, lse = BACKEND.forward(q, k, v, mask, Score(0.125))
     assert (out[:, :, :32] == 0).all() and torch.isneginf(lse[:, :, :32]).all()
     assert torch.isfinite(lse[:, :, 32:]).all()
     low = [t[:, :, :64].detach().requires_grad_() for t in (q, k, v)]

@@ -8,6 +8,7 @@ import torch
 
 from affine_attention.ops import affine_scaled_attention, sink_attention, softmax_attention
 from affine_attention.ops.backends import cuda_flash, sdpa
+from affine_attention.ops.call import Score
 from affine_attention.ops.masks import MaskSpec, Varlen, parse_mask
 from test_backends_cuda import _docs, _keys, model_backward, model_forward
 
@@ -171,11 +172,11 @@ def test_sdpa_on_cuda_never_uses_cudnn(monkeypatch):
     mask = parse_mask(None, True, 1, 2, 4, 4, q.device)
     before = torch.backends.cuda.cudnn_sdp_enabled()
     monkeypatch.setattr(sdpa, "_restricted", lambda t: True)
-    sdpa.SdpaBackend().attention(q, q, q, mask, 0.3)
+    sdpa.SdpaBackend().attention(q, q, q, mask, Score(0.3))
     assert flags[-1] == (False, True, True, True)
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
     monkeypatch.setattr(sdpa, "_restricted", lambda t: False)
-    sdpa.SdpaBackend().attention(q, q, q, mask, 0.3)
+    sdpa.SdpaBackend().attention(q, q, q, mask, Score(0.3))
     assert flags[-1][0] == before
     assert sdpa._restricted(torch.empty(1, device="meta")) is False
 

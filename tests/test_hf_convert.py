@@ -13,6 +13,7 @@ import affine_attention
 from affine_attention.hf.attention import ATTN_IMPLEMENTATION, X_KWARG, attention_forward, structured_mask
 from affine_attention.hf.presets import build_model
 from affine_attention.variants import AttentionShape, build_variant, variant_names
+from affine_attention.variants.base import ForwardArgs
 
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
@@ -83,7 +84,7 @@ def _record_masks(model, objects=None):
     seen = []
 
     def hook(mod, a, kw):
-        m = kw["mask"]
+        m = ForwardArgs.of(a, kw).call.mask
         seen.append((None if m.keys is None else tuple(m.keys.shape), m.causal, m.dense))
         if objects is not None:
             objects.append(m)
@@ -114,9 +115,9 @@ def test_masks_stay_structured_and_are_parsed_once_per_forward():
 def test_mask_function_forms():
     pad = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     assert structured_mask(2, 4, 4, attention_mask=torch.ones(2, 4, dtype=torch.bool)) is None
-    assert torch.equal(structured_mask(2, 4, 4, attention_mask=pad), pad[:, None, None, :])
+    assert torch.equal(structured_mask(2, 4, 4, attention_mask=pad).keys, pad[:, None, None, :])
     # a sliding window stays structured (the attention function passes it on as `window=`): padding only
-    assert structured_mask(2, 4, 4, attention_mask=pad, local_size=4).shape == (2, 1, 1, 4)
+    assert structured_mask(2, 4, 4, attention_mask=pad, local_size=4).keys.shape == (2, 1, 1, 4)
     assert structured_mask(1, 6, 6, local_size=4, mask_function=sliding_window_causal_mask_function(4)) is None
     # any other pattern (here a window without local_size, as a custom mask function) is dense, transformers' own
     dense = structured_mask(1, 6, 6, mask_function=sliding_window_causal_mask_function(4))

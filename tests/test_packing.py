@@ -9,6 +9,7 @@ from test_hf_common import VOCAB, perturb, tiny
 
 from affine_attention.hf import packing
 from affine_attention.train.packing import document_positions, model_inputs
+from affine_attention.variants.base import ForwardArgs
 
 LENGTHS = [5, 9, 1, 7]  # a one-token document included; 22 tokens in all
 
@@ -61,7 +62,7 @@ def test_packing_reaches_the_variants_as_document_ids():
     original = variant.forward
 
     def spy(*args, **kwargs):
-        mask = kwargs["mask"]  # the MaskSpec the seam parsed for this forward
+        mask = ForwardArgs.of(args, kwargs).call.mask  # the MaskSpec the seam parsed for this forward
         seen.append((mask.documents, mask.dense if mask.dense is not None else mask.keys))
         return original(*args, **kwargs)
 

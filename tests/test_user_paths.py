@@ -109,7 +109,7 @@ def test_trl_sft_trainer_with_packing_matches_unconverted(tmp_path):
 
     ref, out = losses(base, "base"), losses(converted, "converted")
     # seen after the packing hook: trl's padding-free keys arrived and became document ids
-    assert {"seq_idx", "cu_seq_lens_k", "position_ids", packing.DOCS_KWARG} <= seen[-1]
+    assert {"seq_idx", "cu_seq_lens_k", "position_ids", "attention_mask"} <= seen[-1]
     assert len(out) == 2 and out[0] == pytest.approx(ref[0], rel=1e-5)
     alpha_ma = torch.cat([b for n, b in converted.named_buffers() if n.endswith("alpha_ma")])
     assert float(alpha_ma.abs().max()) > 0  # stepped by the callback

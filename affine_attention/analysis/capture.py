@@ -6,7 +6,6 @@ and reduces them at once into per-head running statistics, so memory holds one l
 """
 from __future__ import annotations
 
-import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -14,9 +13,10 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor, nn
 
-from ..ops.masks import MaskSpec
+from ..ops.call import AttentionCall
 from ..ops.logits import visible_logit_sums
 from ..variants import REFERENCE, AttentionVariant
+from ..variants.base import ForwardArgs
 from .layer_stats import LayerStats
 from .mass_metrics import head_utilisation
 from .scale_metrics import alpha_distribution
@@ -179,34 +179,30 @@ class AttentionRecorder:
 
     def _layer_hook(self, index: int):
         def hook(module: AttentionVariant, args, kwargs, output):
-            bound = _bind(module, args, kwargs)
             with torch.no_grad():
-                self._record(index, module, **bound)
+                self._record(index, module, ForwardArgs.of(args, kwargs))
         return hook
 
-    def _query_mask(self, token_mask, mask: MaskSpec, B: int, T: int, S: int) -> Tensor | None:
+    def _query_mask(self, fa: ForwardArgs) -> Tensor | None:
         """(B, T) bool of real queries, or None when every query is real (see the class docstring)."""
-        if isinstance(token_mask, Tensor) and tuple(token_mask.shape) == (B, T):
-            return token_mask.bool()
+        B, _, T, _ = fa.call.q.shape
         m = self._model_mask
-        if m is not None and tuple(m.shape) == (B, T):
+        if fa.token_mask is None and m is not None and tuple(m.shape) == (B, T):
             return m
-        if mask.keys is not None and T == S and mask.keys.shape[0] == B:
-            return mask.keys[:, 0, 0, :]
-        return None
+        return fa.real_queries()
 
     # --- the chunked reduction ----------------------------------------------------------------
-    def _record(self, index: int, module: AttentionVariant, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
-                mask: MaskSpec, scale: float | None, token_mask: Tensor | None, softcap: float | None,
-                model_sinks: Tensor | None) -> None:
-        """q: (B, Hq, T, D), k, v: (B, Hkv, S, D), x: (B, T, hidden); mask: the very MaskSpec the layer's fast path
-        used (causal, padding, window, documents, dense alike); softcap and model_sinks as the call had them (Gemma 2,
-        GPT-OSS); one block of queries at a time."""
+    def _record(self, index: int, module: AttentionVariant, fa: ForwardArgs) -> None:
+        """fa: the layer's forward arguments; its call's q: (B, Hq, T, D), k, v: (B, Hkv, S, D), mask (the very
+        MaskSpec the layer's fast path used: causal, padding, window, documents, dense alike) and score (scale and
+        the model's softcap), x: (B, T, hidden); one block of queries at a time."""
         acc = self._acc[index]
+        call, x = fa.call, fa.x
+        q, k, v, mask = call.q, call.k, call.v, call.mask
         B, H, T, _ = q.shape
         S = k.shape[2]
         acc.variant, acc.num_heads = module.name, H
-        qmask = self._query_mask(token_mask, mask, B, T, S)
+        qmask = self._query_mask(fa)
         if qmask is not None:
             qmask = qmask.to(q.device)
         for t0 in range(0, T, self.chunk):
@@ -218,11 +214,12 @@ class AttentionRecorder:
             vis = mask.chunk_bool(t0, t1, q.device, 0, hi)  # (B|1, 1|H, Tc, hi): the whole mask of this block
             qb, kb, vb, xb = q[:, :, t0:t1], k[:, :, :hi], v[:, :, :hi], x[:, t0:t1]
             qm = qmask[:, t0:t1] if qmask is not None else None
-            _, w, extras = module.reference(qb, kb, vb, xb, attn_mask=vis, scale=scale, softcap=softcap,
-                                            model_sinks=model_sinks)
+            qs = call.score.q_scale
+            score = call.score if qs is None else call.score._replace(q_scale=qs[:, :, t0:t1])
+            block = AttentionCall.of(qb, kb, vb, attn_mask=vis, score=score)
+            _, w, extras = module.reference_of(block, xb, fa.model_sinks)
             self._reduce(acc, w, vis, qm, extras, t0)
-            acc.qk = _add(acc.qk, visible_logit_sums(qb, kb, attn_mask=vis, scale=scale, query_mask=qm,
-                                                     softcap=softcap))
+            acc.qk = _add(acc.qk, visible_logit_sums(qb, kb, vis, score, query_mask=qm))
             del w, extras, vis
 
     def _reduce(self, acc: _Accumulator, w: Tensor, vis: Tensor, qm: Tensor | None, extras: dict, t0: int) -> None:
@@ -289,22 +286,6 @@ class AttentionRecorder:
             out.append(LayerRecord(index, name, acc.variant, acc.num_heads, acc.stats.result(), amap, qk_mean,
                                    qk_abs, alpha, sink, totals))
         return out
-
-
-@functools.lru_cache(maxsize=None)
-def _signature(cls: type) -> inspect.Signature:
-    return inspect.signature(cls.forward)
-
-
-def _bind(module: AttentionVariant, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The variant's forward arguments by name (q, k, v, x may come positionally or by keyword), its mask as the
-    one MaskSpec the call used (given by the seam, or parsed from the op keywords as the variant itself does)."""
-    ba = _signature(type(module)).bind(module, *args, **kwargs)
-    ba.apply_defaults()
-    a = ba.arguments
-    mask = module.parsed_mask(a["q"], a["k"], a["mask"], a["attn_mask"], a["is_causal"], a["window"], a["document_ids"])
-    return {"mask": mask, **{name: a[name] for name in ("q", "k", "v", "x", "scale", "token_mask", "softcap",
-                                                         "model_sinks")}}
 
 
 def utilisation(records: list[LayerRecord], sink_excluded: bool = True) -> Tensor:

@@ -26,7 +26,8 @@ from torch import Tensor
 
 from .._numbers import mean_std
 from ..ops import softmax_attention_reference
-from .capture import _bind, find_variant_modules
+from ..variants.base import ForwardArgs
+from .capture import find_variant_modules
 
 __all__ = ["measure", "sink_formed", "aggregate", "SINK_FACTOR"]
 
@@ -51,16 +52,16 @@ def _quartiles(x: Tensor, sel: Tensor) -> dict | None:
 
 
 def _layer(module, args, kwargs, active: Tensor, dormant: Tensor) -> dict[str, Any]:
-    a = _bind(module, args, kwargs)
-    q, k, v, x, mask, scale = a["q"], a["k"], a["v"], a["x"], a["mask"], a["scale"]
+    fa = ForwardArgs.of(args, kwargs)
+    call = fa.call
+    q, k, v, mask = call.q, call.k, call.v, call.mask
     B, H, T, D = q.shape
     S = k.shape[2]
     vis = mask.chunk_bool(0, T, q.device, 0, S)  # (B|1, 1|H, T, S)
-    _, w, extras = module.reference(q, k, v, x, mask=mask, scale=scale, softcap=a["softcap"],
-                                    model_sinks=a["model_sinks"])
-    # the plain softmax over the visible keys (the variant's kernel part), in float64
-    _, p = softmax_attention_reference(q.double(), k.double(), v.double(), attn_mask=vis, scale=scale,
-                                       softcap=a["softcap"], enable_gqa=H != k.shape[1])
+    _, w, extras = module.reference_of(call, fa.x, fa.model_sinks)
+    # the plain softmax over the visible keys (the variant's kernel part, the model's own score), in float64
+    _, p = softmax_attention_reference(q.double(), k.double(), v.double(), mask=mask, score=call.score,
+                                       enable_gqa=H != k.shape[1])
     vnorm = v.double().norm(dim=-1)  # (B, Hkv, S)
     uniform = (1.0 / vis.sum(-1).clamp(min=1)).expand(B, H, T).double()  # 1 / N_i
     out = {"p_first": {"active": _mean_on(p[..., 0], active), "dormant": _mean_on(p[..., 0], dormant)},

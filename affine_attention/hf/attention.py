@@ -7,8 +7,7 @@ fast paths; only sliding windows, packed sequences, static caches and custom pat
 """
 from __future__ import annotations
 
-import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +19,7 @@ from transformers.masking_utils import (
 )
 from transformers.utils import is_tracing
 
+from ..ops.call import AttentionCall, make_score
 from ..ops.masks import Varlen, parse_mask
 from . import cache as value_cache
 from . import packing
@@ -33,7 +33,7 @@ TRUSTED_KWARG = "affine_attention_cache_trusted"
 KV_TRUSTED_KWARG = "affine_attention_cache_kv_trusted"
 # Every keyword `attention_forward` reads or may ignore; any other is refused (see `_check_kwargs`).
 _KNOWN_KWARGS = frozenset(HONOURED_KWARGS) | frozenset(INERT_KWARGS) | {
-    X_KWARG, CACHE_KWARG, TRUSTED_KWARG, KV_TRUSTED_KWARG, packing.FORWARD_KWARG, packing.DOCS_KWARG}
+    X_KWARG, CACHE_KWARG, TRUSTED_KWARG, KV_TRUSTED_KWARG, packing.FORWARD_KWARG}
 
 
 # Why a converted model is not run by transformers' continuous batching (generate_batch, `transformers serve`), nor by
@@ -70,22 +70,45 @@ def capture_attention_input(module: nn.Module, args: tuple, kwargs: dict[str, An
     return args, kwargs
 
 
-def _variant_mask(mask: Tensor | None, B: int, T: int, S: int, training: bool):
-    """HF mask -> (attn_mask for the variant, is_causal, token_mask (B, T) or None, keys (B|1, S) or None).
+class KeyPadding(NamedTuple):
+    """What the registered mask function returns for a padded batch: key padding under the causal rule.
 
-    None: plain causal. (B|1, 1, 1, S) made by `structured_mask`: key padding under the causal rule. Any other 4D
+    keys: (B, 1, 1, S) bool, True on real keys. A type of its own rather than the bare tensor: a (B, 1, 1, S) bool
+    tensor that reaches the attention function is a user's own mask, which transformers' SDPA reads without the
+    causal rule (each query sees every unmasked key); only the type tells the two apart, also in a traced graph.
+    It rides in `attention_mask`, the argument every decoder layer forwards by name."""
+
+    keys: Tensor
+
+
+def _variant_mask(mask, B: int, T: int, S: int, training: bool):
+    """HF mask -> (attn_mask for the variant, is_causal, token_mask (B, T) or None, keys (B|1, S) or None,
+    documents (B|1, S) or None).
+
+    None: plain causal. KeyPadding (made by `structured_mask`): key padding under the causal rule. A (B|1, 1, 1, S)
+    integer tensor (the packing hook's `packing.documents_mask`): packed documents under the causal rule. Any 4D
     boolean mask, including a user's own (B|1, 1, 1, S) or (B|1, 1|Hq, T, S), transformers hands over unchanged and
     its SDPA uses as given, without the causal rule (a (B, 1, 1, S) mask lets each query see every unmasked key):
-    so does this.
-    token_mask, for the alpha_ma statistic, is only computed in training. keys: the key padding of a structured mask
+    so does this, in eager and compiled code alike.
+    token_mask, for the alpha_ma statistic, is only computed in training. keys: the key padding of a KeyPadding
     (what a decoding cache's running sum of V compares between steps: one object per mask, so every layer compares
     the same pair once per model forward).
     """
     if mask is None:
-        return None, True, None, None
+        return None, True, None, None, None
+    if isinstance(mask, KeyPadding):
+        keys = mask.keys
+        token_mask = keys[:, 0, 0, S - T:].expand(B, T) if training and S >= T else None
+        return keys, True, token_mask, keys[:, 0, 0, :], None
     if not isinstance(mask, Tensor) or mask.dim() != 4:
         raise ValueError(f"affine_attention expects a 4D boolean attention mask (B, 1, T, S) or None, got "
                          f"{type(mask).__name__} of shape {tuple(getattr(mask, 'shape', ()))}")
+    if not (mask.is_floating_point() or mask.is_complex() or mask.dtype == torch.bool):
+        if tuple(mask.shape[1:]) != (1, 1, S) or mask.shape[0] not in (1, B) or T != S:
+            raise ValueError(f"an integer 4D attention_mask is read as packed document ids (B, 1, 1, S) of a batch "
+                             f"without a cache (packing.documents_mask); got shape {tuple(mask.shape)}, T = {T}, "
+                             f"S = {S}")
+        return None, True, None, None, mask[:, 0, 0, :]
     if mask.dtype != torch.bool:
         raise ValueError(f"affine_attention expects a boolean 4D mask (True = may attend), got dtype {mask.dtype}; "
                          "pass a 2D padding mask or a boolean 4D mask")
@@ -101,44 +124,28 @@ def _variant_mask(mask: Tensor | None, B: int, T: int, S: int, training: bool):
             token_mask = mask[:, 0, idx, idx + (S - T)].expand(B, T)
     # One query (decoding, static caches included): bottom-right causal hides nothing, so both readings coincide and
     # the key form keeps windows and the running sum of V on their fast paths.
-    if key_only and (T == 1 or _made_here(mask)):
-        return mask, True, token_mask, mask[:, 0, 0, :]
-    return mask, False, token_mask, None
+    if key_only and T == 1:
+        return mask, True, token_mask, mask[:, 0, 0, :], None
+    return mask, False, token_mask, None, None
 
 
-# The key masks `structured_mask` made, by id: only those mean "causal + padding". A user's (B, 1, 1, S) mask reaches
-# the attention function unchanged and means what SDPA makes of it (no causal rule); the values cannot tell them apart.
-_MADE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def _made_here(mask: Tensor) -> bool:
-    """Whether `mask` is a key mask `structured_mask` returned. Traced code cannot look ids up: there every
-    (B|1, 1, 1, S) mask keeps the causal reading (docs/reliability.md names this limit)."""
-    if torch.compiler.is_compiling() or is_tracing(mask):
-        return True
-    return _MADE.get(id(mask)) is mask
-
-
-def _layer_mask(masks: dict | None, attention_mask: Tensor | None, query: Tensor, key: Tensor, training: bool,
-                sliding_window: int | None, documents: Tensor | None, varlen: Varlen | None):
+def _layer_mask(masks: dict | None, attention_mask, query: Tensor, key: Tensor, training: bool,
+                sliding_window: int | None, varlen: Varlen | None):
     """The layer's parsed mask (MaskSpec), token mask and key padding (see `_variant_mask`), made once per model
     forward: `masks` is that forward's memo (see packing.FORWARD_KWARG), every layer of one kind (full or sliding
-    attention) receives the same mask objects, and what kernels derive from the MaskSpec (varlen segments, a host
-    check) is kept on it. A compiled graph makes it per layer at trace time, which costs nothing at run time."""
+    attention) receives the same mask object, and what kernels derive from the MaskSpec (varlen segments, a host
+    check) is kept on it. A compiled graph makes it per layer at trace time, which costs nothing at run time. A
+    decoder whose layers call self_attn without **kwargs drops the memo (and varlen): each layer then parses the
+    same mask again, which costs time, never correctness (the mask itself rides in attention_mask)."""
     B, Hq, T, _ = query.shape
     S = key.shape[-2]
     if masks is not None and not torch.compiler.is_compiling():
-        key_ = (id(attention_mask), id(documents), sliding_window, B, Hq, T, S, training)
+        key_ = (id(attention_mask), sliding_window, B, Hq, T, S, training)
         hit = masks.get(key_)
-        # The memo holds the objects it was keyed by: their ids cannot be reused during the forward.
-        if hit is not None and hit[0] is attention_mask and hit[1] is documents:
-            return hit[2]
-    if documents is not None:
-        # Document ids come only from the packing hook, which acts only without an attention mask and hands
-        # transformers an all-ones one (so it builds no dense block mask): there is no padding. A traced graph
-        # cannot see that the key mask is all ones, so it is dropped here rather than kept beside the documents.
-        attention_mask = None
-    attn_mask, is_causal, token_mask, keys = _variant_mask(attention_mask, B, T, S, training)
+        # The memo holds the object it was keyed by: its id cannot be reused during the forward.
+        if hit is not None and hit[0] is attention_mask:
+            return hit[1]
+    attn_mask, is_causal, token_mask, keys, documents = _variant_mask(attention_mask, B, T, S, training)
     if sliding_window is not None and not is_causal:
         raise ValueError(f"a sliding window ({sliding_window}) with a dense attention mask; pass the mask transformers "
                          "builds for the model")
@@ -148,7 +155,7 @@ def _layer_mask(masks: dict | None, attention_mask: Tensor | None, query: Tensor
                       document_ids=documents, varlen=varlen if documents is not None else None)
     result = (spec, token_mask, keys)
     if masks is not None and not torch.compiler.is_compiling():
-        masks[key_] = (attention_mask, documents, result)
+        masks[key_] = (attention_mask, result)
     return result
 
 
@@ -171,7 +178,7 @@ def _family_name(module: nn.Module) -> str:
         return type(module).__name__
 
 
-def _check_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:
+def _check_kwargs(module: nn.Module, kwargs: dict[str, Any], packed: bool) -> None:
     """A keyword this seam does not implement would otherwise be dropped silently (as Gemma 2's softcap once was):
     refuse it, naming it and the family, whatever its value (an inert-looking None today may carry math tomorrow).
     The rule is families.py's (HONOURED_KWARGS, INERT_KWARGS, REQUIRED_VALUES)."""
@@ -185,9 +192,10 @@ def _check_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:
         value = kwargs.get(name)
         if value is not None and value != allowed:
             raise ValueError(f"{name}={value!r} reached the {_family_name(module)} attention: {why}")
-    # Packed boundaries are read by the packing hook, which acts only without an attention mask and a cache; keys
-    # that arrive anyway (beside a mask, or during generation) would otherwise be dropped.
-    if kwargs.get(packing.DOCS_KWARG) is None:
+    # Packed boundaries are read by the packing hook, which acts only without an attention mask and a cache (packed:
+    # its documents arrived in attention_mask); keys that arrive anyway (beside a mask, or during generation) would
+    # otherwise be dropped.
+    if not packed:
         given = sorted(k for k in packing.BOUNDARY_KWARGS if kwargs.get(k) is not None)
         if given:
             raise ValueError(f"{given} (packed sequence boundaries) came with an attention mask or a cache; "
@@ -219,8 +227,12 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
                       dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
                       softcap: float | None = None, s_aux: Tensor | None = None, **kwargs) -> tuple[Tensor, None]:
     """transformers attention interface: query (B, Hq, T, D), key/value (B, Hkv, S, D) -> ((B, T, Hq, D), None).
-    softcap: Gemma 2's logit cap; s_aux: (Hq,) GPT-OSS's learned sink logits."""
-    _check_kwargs(module, kwargs)
+    attention_mask: None, KeyPadding, packed documents (`packing.documents_mask`) or a 4D bool mask (`_variant_mask`);
+    softcap: Gemma 2's logit cap; s_aux: (Hq,) GPT-OSS's learned sink logits. Builds the layer's AttentionCall
+    once and hands it to the variant."""
+    packed = isinstance(attention_mask, Tensor) and not attention_mask.is_floating_point() \
+        and attention_mask.dtype != torch.bool
+    _check_kwargs(module, kwargs, packed)
     variant = getattr(module, "attn_variant", None)
     if variant is None:
         hint = ("this looks like a converted checkpoint loaded through its original class; load it with "
@@ -246,8 +258,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     T = query.shape[-2]
     mask, token_mask, keys = _layer_mask(kwargs.get(packing.FORWARD_KWARG), attention_mask, query, key,
-                                         variant.training, sliding_window, kwargs.get(packing.DOCS_KWARG),
-                                         _varlen(kwargs))
+                                         variant.training, sliding_window, _varlen(kwargs))
     v_mean = None
     cache = kwargs.get(CACHE_KWARG)
     if cache is not None and variant.uses_value_mean and mask.window is None and mask.causal:
@@ -256,16 +267,18 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
                                         kwargs.get(TRUSTED_KWARG, False), kwargs.get(packing.FORWARD_KWARG))
     kv_nonfinite = None if cache is None else value_cache.nonfinite_heads(
         cache, module.layer_idx, key, value, T, kwargs.get(KV_TRUSTED_KWARG, False))
-    out = variant(query, key, value, x, mask=mask, scale=scaling, token_mask=token_mask, v_mean=v_mean,
-                  kv_nonfinite=kv_nonfinite, softcap=softcap, model_sinks=s_aux)
+    call = AttentionCall.of(query, key, value, mask=mask, score=make_score(scaling, softcap, query.shape[-1]),
+                            v_mean=v_mean, kv_nonfinite=kv_nonfinite)
+    out = variant(call, x, token_mask=token_mask, model_sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 
 def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int | Tensor = 0,
                   kv_offset: int | Tensor = 0, mask_function=causal_mask_function, attention_mask: Tensor | None = None,
-                  local_size: int | None = None, allow_is_causal_skip: bool = True, **kwargs) -> Tensor | None:
-    """The mask function registered with transformers. Returns None (plain causal), a (B, 1, 1, S) bool key mask
-    (causal + padding) or a dense (B, 1, T, S) bool mask.
+                  local_size: int | None = None, allow_is_causal_skip: bool = True,
+                  **kwargs) -> KeyPadding | Tensor | None:
+    """The mask function registered with transformers. Returns None (plain causal), KeyPadding (causal + key
+    padding) or a dense (B, 1, T, S) bool mask.
 
     The structured forms need the last query aligned with the last key (q_offset + T == kv_offset + S, true for
     dynamic caches and training) and a plain causal pattern: transformers signals pattern changes (packing, extra
@@ -289,8 +302,5 @@ def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
     padding = padding[:, kv_offset:kv_offset + kv_length].to(torch.bool)  # (B, S)
     if not is_tracing(padding) and bool(padding.all()):
         return None  # reading values breaks a compiled graph, so traced code keeps the (equivalent) key mask
-    key_mask = padding[:, None, None, :]
-    if not is_tracing(key_mask):
-        _MADE[id(key_mask)] = key_mask
-    return key_mask
+    return KeyPadding(padding[:, None, None, :])
 

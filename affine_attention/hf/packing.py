@@ -5,9 +5,9 @@ transformers treats a batch as packed when `position_ids` restart inside a row w
 no cache (`masking_utils.find_packed_sequence_indices`); `DataCollatorWithFlattening` produces exactly that, plus
 `cu_seq_lens_q/k` when asked for FlashAttention kwargs, and trl's padding-free collator adds `seq_idx` (each token's
 document id) as well. A forward pre-hook on the decoder stack applies the same
-rule: it derives document ids (B, T) and passes them on as a keyword that transformers forwards to every attention
-call, and replaces the missing mask by an all-ones padding mask so transformers never materialises the dense
-block-diagonal mask that the variants would ignore.
+rule: it derives document ids (B, T) and passes them as the missing `attention_mask`, in a 4D integer form
+(`documents_mask`) that transformers hands every layer unchanged (it never materialises the dense block-diagonal
+mask) and that every decoder layer forwards by name, also those that drop **kwargs.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from torch import Tensor, nn
 from transformers.masking_utils import find_packed_sequence_indices
 from transformers.utils import is_tracing
 
-DOCS_KWARG = "affine_attention_document_ids"
 # One dict per model forward that transformers hands every attention call: the memo in which the seam keeps each
 # layer kind's parsed mask, so masks are parsed and checked once per forward (hf/attention.py `_layer_mask`).
 FORWARD_KWARG = "affine_attention_forward_masks"
@@ -27,6 +26,14 @@ _HOOK_ATTR = "_affine_attention_packing_hook"
 # Keywords that carry packed sequence boundaries; the seam refuses them where this hook did not turn them into
 # document ids (beside an attention mask or a cache), rather than drop them.
 BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
+
+
+def documents_mask(documents: Tensor) -> Tensor:
+    """(B, S) document ids -> the (B, 1, 1, S) int64 `attention_mask` that carries packed documents to every
+    attention call: transformers hands a 4D mask to the layers unchanged, and every decoder layer forwards
+    `attention_mask` by name (keywords in **kwargs are dropped by some, e.g. StableLM's). Integer, where masks are
+    bool or float: the seam reads it as documents under the causal rule, never as a visibility mask."""
+    return documents.long()[:, None, None, :]
 
 
 def documents_from_cu_seqlens(cu_seqlens: Tensor, T: int) -> Tensor:
@@ -92,8 +99,7 @@ def detect_packing(decoder: nn.Module, args: tuple, kwargs: dict[str, Any]):
         docs = docs.expand(B, T)
     else:
         return args, kwargs
-    kwargs[DOCS_KWARG] = docs
-    kwargs["attention_mask"] = torch.ones(B, T, dtype=torch.long, device=ref.device)
+    kwargs["attention_mask"] = documents_mask(docs)
     return args, kwargs
 
 

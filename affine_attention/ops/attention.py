@@ -14,9 +14,10 @@ import torch
 from torch import Tensor
 
 from . import backends
-from ._validate import check_bias_norm, check_per_head, check_qkv, check_scale, check_softcap, check_v_mean
+from ._validate import check_bias_norm, check_per_head, check_qkv, check_v_mean
+from .call import AttentionCall
 from .epilogue import epilogue, select_impl
-from .masks import MaskSpec, mask_of_call
+from .masks import MaskSpec
 from .visible_sums import visible_sum_and_count
 
 
@@ -117,11 +118,24 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
     softcap: logits capped to softcap * tanh(x / softcap) in the kernel (backends that cannot cap refuse the call).
     Returns (B, Hq, T, D) in q's dtype.
     """
-    B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
+    call = AttentionCall.of(q, k, v, attn_mask=attn_mask, is_causal=is_causal, window=window,
+                            document_ids=document_ids, mask=mask, scale=scale, softcap=softcap, enable_gqa=enable_gqa,
+                            v_mean=v_mean, kv_nonfinite=kv_nonfinite, backend=backend)
+    return attend_call(call, alpha=alpha, alpha_ma=alpha_ma, gate=gate, sinks=sinks, bias_norm=bias_norm,
+                       epilogue_impl=epilogue_impl)
+
+
+def attend_call(call: AttentionCall, *, alpha: Tensor | None = None, alpha_ma: Tensor | None = None,
+                gate: Tensor | float | None = None, sinks: Tensor | None = None, bias_norm: str = "visible",
+                epilogue_impl: str | None = None) -> Tensor:
+    """The fast path of one AttentionCall (see attention_with_epilogue for alpha, alpha_ma, gate, sinks, bias_norm
+    and epilogue_impl): the call's score.q_scale folded into q, its mask and score handed to the kernel, then the
+    epilogue. Returns (B, Hq, T, D) in q's dtype."""
+    q, k, v, mask, score = call.q, call.k, call.v, call.mask, call.score
+    v_mean, kv_nonfinite = call.cache.v_mean, call.cache.kv_nonfinite
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
     check_bias_norm(bias_norm)
-    scale = check_scale(scale, D)
-    softcap = check_softcap(softcap)
-    mask = mask_of_call(mask, attn_mask, is_causal, window, document_ids, B, Hq, T, S, q.device)
     if (alpha is None) != (alpha_ma is None):
         raise ValueError("alpha (B, Hq, T) and alpha_ma (Hq,) come together (the affine part) or not at all")
     if alpha is None and v_mean is not None:
@@ -134,7 +148,7 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
     if q.numel() == 0:
         # No query (B, Hq or T is 0): an empty output, as SDPA gives; kernels are not called on empty tensors.
         # Its zero-sum term keeps every tensor input in the graph, so backward gives them (zero) gradients.
-        inputs = (q, k, v, alpha, alpha_ma, sinks, gate, v_mean)
+        inputs = (q, k, v, alpha, alpha_ma, sinks, gate, v_mean, score.q_scale)
         return q.new_zeros((B, Hq, T, D)) + sum(t.sum() * 0 for t in inputs if isinstance(t, Tensor)).to(q.dtype)
 
     if kv_nonfinite is not None and kv_nonfinite is not False and (
@@ -142,8 +156,12 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
             or tuple(kv_nonfinite.shape) != (B, Hkv)):
         raise ValueError(f"kv_nonfinite must be a (B, Hkv) = {(B, Hkv)} bool tensor or False, got "
                          f"{tuple(kv_nonfinite.shape) if isinstance(kv_nonfinite, Tensor) else kv_nonfinite!r}")
+    if score.q_scale is not None:
+        # (s q).k = s (q.k): every kernel serves a per-query logit scale, and autograd carries its gradient.
+        q = q * score.q_scale.to(q.dtype)[..., None]
+        score = score._replace(q_scale=None)
     k, v, seen = _isolate_nonfinite(k, v, mask, Hq, kv_nonfinite)
-    out, _ = backends.attention(q, k, v, mask, scale, sinks=sinks, backend=backend, softcap=softcap)
+    out, _ = backends.attention(q, k, v, mask, score, sinks=sinks, backend=call.backend)
     if alpha is not None and v_mean is None:
         out = epilogue(out, alpha=alpha, alpha_ma=alpha_ma, gate=gate, v=v, mask=mask, bias_norm=bias_norm,
                        impl=impl)

@@ -5,16 +5,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .reference import attention_logits, visible_mask
+from .call import Score
+from .reference import attention_logits
 
 
-def visible_logit_sums(q: Tensor, k: Tensor, *, attn_mask: Tensor | None = None, is_causal: bool = False,
-                       window: int | None = None, document_ids: Tensor | None = None, scale: float | None = None,
-                       query_mask: Tensor | None = None, softcap: float | None = None) -> Tensor:
+def visible_logit_sums(q: Tensor, k: Tensor, vis: Tensor, score: Score, *,
+                       query_mask: Tensor | None = None) -> Tensor:
     """(3, Hq) float64 on the CPU: per head, the sum of the visible logits, the sum of their absolute values and
-    their count. q: (B, Hq, T, D), k: (B, Hkv, S, D); attn_mask, is_causal, window, document_ids: as on the ops;
-    query_mask: (B, T) bool, True on real queries (None: all real); softcap: the logits as the softmax sees them
-    (capped, see `attention_logits`).
+    their count. q: (B, Hq, T, D), k: (B, Hkv, S, D); vis: (B|1, 1|Hq, T, S) bool, the keys each query sees (of an
+    AttentionCall's mask: `reference.visible_of(call.mask)`, or a block of it); score: the call's Score (the logits
+    as the model's softmax sees them: scale and softcap); query_mask: (B, T) bool, True on real queries (None: all
+    real).
 
     One sequence at a time, so memory peaks at Hq x T x S logits; bf16/fp16 inputs are reduced in float32 and
     every sum accumulates in float64. Divide the first two rows by the third for means."""
@@ -22,12 +23,11 @@ def visible_logit_sums(q: Tensor, k: Tensor, *, attn_mask: Tensor | None = None,
     S = k.shape[2]
     if q.dtype not in (torch.float32, torch.float64):
         q, k = q.float(), k.float()
-    vis = visible_mask(attn_mask, is_causal, T, S, q.device, window=window, document_ids=document_ids)
-    # vis: (1|B, 1|Hq, T, S)
     sums = torch.zeros(3, Hq, dtype=torch.float64)
     for b in range(B):
-        logits = attention_logits(q[b:b + 1], k[b:b + 1], scale=scale, enable_gqa=Hq != k.shape[1],
-                                  softcap=softcap)  # (1, Hq, T, S)
+        qs = score.q_scale
+        row = score if qs is None or qs.shape[0] == 1 else score._replace(q_scale=qs[b:b + 1])
+        logits = attention_logits(q[b:b + 1], k[b:b + 1], score=row)  # (1, Hq, T, S)
         keep = (vis[b:b + 1] if vis.shape[0] > 1 else vis).expand_as(logits)
         if query_mask is not None:
             keep = keep & query_mask[b:b + 1, None, :, None].to(keep.device)

@@ -86,12 +86,6 @@ class MaskSpec:
         t = next((x for x in (self.keys, self.documents, self.dense) if x is not None), None)
         return not torch.compiler.is_compiling() and (t is None or t.device.type != "meta")
 
-    def op_kwargs(self) -> dict[str, Any]:
-        """The op keywords that give this mask again (attn_mask, is_causal, window, document_ids): what the readable
-        references take, so analysis sees exactly the mask the fast path used."""
-        return {"attn_mask": self.keys if self.keys is not None else self.dense, "is_causal": self.causal,
-                "window": self.window, "document_ids": self.documents}
-
     @property
     def offset(self) -> int:
         return self.S - self.T

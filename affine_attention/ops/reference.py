@@ -9,6 +9,17 @@ import torch
 from torch import Tensor
 
 from ._validate import check_bias_norm, check_per_head, check_per_query, check_qkv, check_scale, check_softcap
+from .call import Score
+from .masks import MaskSpec
+
+
+def visible_of(mask: MaskSpec, device) -> Tensor:
+    """(1|B, 1|Hq, T, S) bool: what a parsed mask lets each query see, read from its fields by this module's own
+    rules (`visible_mask`), not by the fast path's (MaskSpec.chunk_bool), so agreement between them is evidence."""
+    extra = mask.keys if mask.keys is not None else mask.dense
+    if mask.keys is not None and mask.dense is not None:
+        extra = mask.keys & mask.dense
+    return visible_mask(extra, mask.causal, mask.T, mask.S, device, window=mask.window, document_ids=mask.documents)
 
 
 def visible_mask(attn_mask: Tensor | None, is_causal: bool, T: int, S: int, device, *, window: int | None = None,
@@ -33,15 +44,31 @@ def visible_mask(attn_mask: Tensor | None, is_causal: bool, T: int, S: int, devi
 
 
 def attention_logits(q: Tensor, k: Tensor, *, scale: float | None = None, enable_gqa: bool = False,
-                     softcap: float | None = None) -> Tensor:
+                     softcap: float | None = None, score: Score | None = None) -> Tensor:
     """q.k^T * scale: q (B, Hq, T, D), k (B, Hkv, S, D) -> (B, Hq, T, S); GQA repeats each KV head. softcap = c
-    caps them to c * tanh(x / c), as Gemma 2 does before the softmax."""
+    caps them to c * tanh(x / c), as Gemma 2 does before the softmax. score (instead of scale and softcap): the
+    call's Score, its per-query scale and score function included."""
     Hq, Hkv = q.shape[1], k.shape[1]
     if Hq != Hkv:
         k = k.repeat_interleave(Hq // Hkv, dim=1)
+    if score is not None:
+        if scale is not None or softcap is not None:
+            raise ValueError("pass the score once: score= or scale / softcap, not both")
+        return score.logits(q @ k.transpose(-1, -2))
     x = (q @ k.transpose(-1, -2)) * check_scale(scale, q.shape[-1])
     softcap = check_softcap(softcap)
     return x if softcap is None else softcap * torch.tanh(x / softcap)
+
+
+def _visible(mask: MaskSpec | None, attn_mask, is_causal, T, S, device, window, document_ids) -> Tensor:
+    """The visibility of a reference call: from `mask` (a parsed MaskSpec) or from the keywords, not both."""
+    if mask is None:
+        return visible_mask(attn_mask, is_causal, T, S, device, window=window, document_ids=document_ids)
+    if attn_mask is not None or is_causal or window is not None or document_ids is not None:
+        raise ValueError("pass the mask once: mask= (a MaskSpec) or the keywords, not both")
+    if (mask.T, mask.S) != (T, S):
+        raise ValueError(f"mask was parsed for T = {mask.T}, S = {mask.S}, but q and k have T = {T}, S = {S}")
+    return visible_of(mask, device)
 
 
 def _expand_v(v: Tensor, Hq: int) -> Tensor:
@@ -73,30 +100,31 @@ def _nonfinite_queries_nan(w: Tensor, q: Tensor, alpha: Tensor | None = None) ->
 
 
 def softmax_attention_reference(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                               window=None, document_ids=None, softcap=None):
+                               window=None, document_ids=None, softcap=None, mask=None, score=None):
     """Plain softmax attention. q: (B, Hq, T, D), k, v: (B, Hkv, S, D) -> (out (B, Hq, T, D), w (B, Hq, T, S)).
-    softcap (every reference): logits capped as in `attention_logits`."""
+    softcap (every reference): logits capped as in `attention_logits`. mask (every reference): a parsed MaskSpec
+    instead of the mask keywords; score: a Score instead of scale and softcap (`attention_logits`)."""
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
-    vis = visible_mask(attn_mask, is_causal, T, S, q.device, window=window, document_ids=document_ids)
-    w = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa, softcap=softcap), vis)
+    vis = _visible(mask, attn_mask, is_causal, T, S, q.device, window, document_ids)
+    w = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa, softcap=softcap, score=score), vis)
     w = _nonfinite_queries_nan(w, q)
     return w @ _expand_v(v, Hq), w
 
 
 def sink_attention_reference(q, k, v, sinks, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                            window=None, document_ids=None, softcap=None):
+                            window=None, document_ids=None, softcap=None, mask=None, score=None):
     """Sink attention; sinks: (Hq,). Returns (out (B, Hq, T, D), w (B, Hq, T, S)); sink mass = 1 - w.sum(-1)."""
     B, Hq, Hkv, T, S, D = check_qkv(q, k, v, enable_gqa)
     check_per_head("sinks", sinks, Hq, q.device)
-    vis = visible_mask(attn_mask, is_causal, T, S, q.device, window=window, document_ids=document_ids)
-    logits = attention_logits(q, k, scale=scale, enable_gqa=enable_gqa, softcap=softcap)
+    vis = _visible(mask, attn_mask, is_causal, T, S, q.device, window, document_ids)
+    logits = attention_logits(q, k, scale=scale, enable_gqa=enable_gqa, softcap=softcap, score=score)
     w = _nonfinite_queries_nan(_softmax_rows(logits, vis, extra_logit=sinks), q)
     return w @ _expand_v(v, Hq), w
 
 
 def affine_scaled_attention_reference(q, k, v, alpha, alpha_ma, *, attn_mask=None, is_causal=False, scale=None,
                                       bias_norm="visible", enable_gqa=False, window=None, document_ids=None,
-                                      softcap=None):
+                                      softcap=None, mask=None, score=None):
     """a_ij = alpha_i p_ij + (alpha_ma - alpha_i) / N_i on visible keys, 0 on masked keys.
 
     alpha: (B, Hq, T), alpha_ma: (Hq,). N_i = visible keys of query i ("visible") or S ("full").
@@ -106,8 +134,8 @@ def affine_scaled_attention_reference(q, k, v, alpha, alpha_ma, *, attn_mask=Non
     check_per_query("alpha", alpha, B, Hq, T, q.device)
     check_per_head("alpha_ma", alpha_ma, Hq, q.device)
     check_bias_norm(bias_norm)
-    vis = visible_mask(attn_mask, is_causal, T, S, q.device, window=window, document_ids=document_ids)
-    p = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa, softcap=softcap), vis)
+    vis = _visible(mask, attn_mask, is_causal, T, S, q.device, window, document_ids)
+    p = _softmax_rows(attention_logits(q, k, scale=scale, enable_gqa=enable_gqa, softcap=softcap, score=score), vis)
     vis = vis.expand(B, Hq, T, S)
     n = vis.sum(-1, keepdim=True).to(q.dtype) if bias_norm == "visible" else torch.full_like(p[..., :1], S)
     a_ = alpha.to(q.dtype)[..., None]

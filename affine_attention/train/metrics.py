@@ -15,10 +15,10 @@ metrics.jsonl holds one JSON object per line, tagged by "kind":
   eval    at step 0, every train.eval_every steps and at the end: heldout_loss, heldout_ppl, qk_logit_mean,
           qk_logit_abs_mean (and their per-layer lists), each per-head state per layer and head
   resume  where a resumed run continued; end: the final record (alpha_ma equality across ranks, totals)
-Query-key logits (paper Fig. 2): forward pre-hooks on every attention-variant module capture the q and k it receives
-(after projections, q/k norms and RoPE: exactly what the attention op sees), and the logits q.k^T * scale (the
-softmax input, affine_attention.ops.attention_logits) are averaged over the keys each query may see, over heads,
-query positions, probe sequences and layers, in float32, in eval mode on the fixed probe batch.
+Query-key logits (paper Fig. 2): forward pre-hooks on every attention-variant module read its AttentionCall (q and k
+after projections, q/k norms and RoPE, the mask and the model's score: exactly what the attention op sees), and the
+logits q.k^T * scale (softcapped where the model caps: the softmax input) are averaged over the keys each real query
+may see, over heads, query positions, probe sequences and layers, in float32, in eval mode on the fixed probe batch.
 """
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ from torch import nn
 
 from .._files import atomic_write_text, log_records
 from ..ops.logits import visible_logit_sums
+from ..ops.reference import visible_of
 from ..variants import AttentionVariant
+from ..variants.base import ForwardArgs
 from ..variants.running_stats import recomputing
 
 
@@ -106,7 +108,7 @@ class TokenStats:
             # Skip eval forwards and activation-checkpointing recomputations (inside backward).
             if not module.training or recomputing():
                 return
-            x = args[3] if len(args) > 3 else kwargs["x"]  # forward(q, k, v, x, ...)
+            x = ForwardArgs.of(args, kwargs).x
             acc = getattr(module, TokenStats.ACC)
             with torch.no_grad():
                 for key, a in module.token_statistics(x.detach()).items():  # (B, Hq, T)
@@ -162,8 +164,25 @@ def running_buffers(model: nn.Module) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def qk_logit_probe(model: nn.Module, tokens: torch.Tensor, autocast) -> dict[str, Any]:
-    """Mean and mean |.| of visible query-key logits (module docstring). tokens: (N, T) int64 on the model's device."""
+def qk_logit_probe(model: nn.Module, tokens: torch.Tensor, autocast, doc_sep: int | None = None) -> dict[str, Any]:
+    """Mean and mean |.| of visible query-key logits (module docstring). tokens: (N, T) int64 on the model's device;
+    doc_sep: the separator id under document masking (as for `heldout_loss`), None to attend across documents."""
+    from .packing import model_inputs
+
+    sums = qk_logit_sums(model, model_inputs(tokens, doc_sep), autocast)
+    n = sums[:, 2].clamp(min=1)
+    total = sums.sum(0)
+    return {"qk_logit_mean": float(total[0] / total[2]), "qk_logit_abs_mean": float(total[1] / total[2]),
+            "qk_logit_mean_per_layer": (sums[:, 0] / n).tolist(),
+            "qk_logit_abs_mean_per_layer": (sums[:, 1] / n).tolist()}
+
+
+@torch.no_grad()
+def qk_logit_sums(model: nn.Module, inputs: dict[str, Any], autocast) -> torch.Tensor:
+    """(L, 3) float64: per attention layer, the sum of the visible logits, of their absolute values and their count,
+    over one forward `model(**inputs)`. Each layer's AttentionCall says which keys each query saw (causal, window,
+    documents, padding) and how logits were made (scale, softcap); padded queries are left out: the pairs counted
+    are the ones the layer's softmax used, as the analysis recorder counts them."""
     mods = variant_modules(model)
     if not mods:
         raise ValueError("the query-key logit probe needs a converted model (no attention-variant modules found)")
@@ -171,25 +190,20 @@ def qk_logit_probe(model: nn.Module, tokens: torch.Tensor, autocast) -> dict[str
 
     def pre_hook(i):
         def hook(module, args, kwargs):
-            q = args[0] if len(args) > 0 else kwargs["q"]
-            k = args[1] if len(args) > 1 else kwargs["k"]
-            sums[i] += visible_logit_sums(q, k, attn_mask=kwargs.get("attn_mask"),
-                                          is_causal=bool(kwargs.get("is_causal", False)), window=kwargs.get("window"),
-                                          document_ids=kwargs.get("document_ids"), scale=kwargs.get("scale")).sum(1)
+            fa = ForwardArgs.of(args, kwargs)
+            call = fa.call
+            sums[i] += visible_logit_sums(call.q, call.k, visible_of(call.mask, call.q.device), call.score,
+                                          query_mask=fa.real_queries()).sum(1)
         return hook
 
     handles = [m.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, m in enumerate(mods)]
     try:
         with autocast():
-            model(input_ids=tokens)
+            model(**inputs)
     finally:
         for h in handles:
             h.remove()
-    n = sums[:, 2].clamp(min=1)
-    total = sums.sum(0)
-    return {"qk_logit_mean": float(total[0] / total[2]), "qk_logit_abs_mean": float(total[1] / total[2]),
-            "qk_logit_mean_per_layer": (sums[:, 0] / n).tolist(),
-            "qk_logit_abs_mean_per_layer": (sums[:, 1] / n).tolist()}
+    return sums
 
 
 @torch.no_grad()

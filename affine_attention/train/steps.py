@@ -64,7 +64,7 @@ def eval_record(model, held: torch.Tensor, dc: DataConfig, autocast, doc_sep: in
         rec = {"kind": "eval", "step": step}
         loss = heldout_loss(model, held[:dc.eval_sequences], dc.eval_batch, autocast, doc_sep)
         rec.update(heldout_loss=loss, heldout_ppl=math.exp(loss))
-        rec.update(qk_logit_probe(model, held[:dc.probe_sequences, :-1], autocast))
+        rec.update(qk_logit_probe(model, held[:dc.probe_sequences, :-1], autocast, doc_sep))
         rec.update(state_per_head(model))
     finally:
         model.train()

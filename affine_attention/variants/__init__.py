@@ -14,6 +14,7 @@ from .options import options_from_dict, options_to_dict
 from .scaled_softmax import ScaledSoftmaxAttention
 from .sink import OffByOneAttention, SinkAttention, SinkOptions
 from .softmax import SoftmaxAttention
+from .ssmax import ScalableSoftmaxAttention
 
 REGISTRY: dict[str, type[AttentionVariant]] = {}  # filled by register_variant, the built-ins below first
 #: The variant every other is measured against (parameter overheads, paired differences, speed ratios): the base
@@ -51,7 +52,7 @@ def register_variant(cls: type[AttentionVariant]) -> type[AttentionVariant]:
 
 # The built-in variants, through the same checks as a plug-in's (and the palette for a Display without colour).
 for _cls in (SoftmaxAttention, OffByOneAttention, SinkAttention, GatedAttention, AffineAttention, AffineGatedAttention,
-             ScaledSoftmaxAttention, AffineFrozenAttention):
+             ScaledSoftmaxAttention, AffineFrozenAttention, ScalableSoftmaxAttention):
     register_variant(_cls)
 del _cls
 

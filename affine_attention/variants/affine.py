@@ -148,11 +148,10 @@ class AffineAttention(AttentionVariant, running_stats.RunningStats):
         return Prologue(alpha=alpha, alpha_ma=self._alpha_ma_for_forward(alpha, token_mask),
                         gate=self.output_gate(x), bias_norm=self.options.bias_norm)
 
-    def attend_reference(self, q, k, v, x, *, mask, scale, softcap=None, sinks=None):
+    def attend_reference(self, q, k, v, x, *, mask, score, sinks=None):
         alpha = self.compute_alpha(x).to(q.dtype)
-        out, w = affine_scaled_attention_reference(q, k, v, alpha, self.alpha_ma.to(q.dtype), **mask, scale=scale,
-                                                   bias_norm=self.options.bias_norm, enable_gqa=self._gqa,
-                                                   softcap=softcap)
+        out, w = affine_scaled_attention_reference(q, k, v, alpha, self.alpha_ma.to(q.dtype), mask=mask, score=score,
+                                                   bias_norm=self.options.bias_norm, enable_gqa=self._gqa)
         return out, w, {"alpha": alpha}
 
 

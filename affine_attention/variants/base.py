@@ -9,8 +9,9 @@ import torch
 from torch import Tensor, nn
 
 from ..ops import sink_attention_reference, softmax_attention_reference
-from ..ops.attention import attention_with_epilogue
-from ..ops.masks import MaskSpec, mask_of_call
+from ..ops.attention import attend_call
+from ..ops.call import AttentionCall, Score
+from ..ops.masks import MaskSpec
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,32 @@ class Prologue(NamedTuple):
     bias_norm: str = "visible"
 
 
+class ForwardArgs(NamedTuple):
+    """A variant module's forward arguments by name, as a forward (pre-)hook with_kwargs=True receives them
+    (`ForwardArgs.of(args, kwargs)`): the per-call object, x: (B, T, hidden), token_mask: (B, T) bool or None,
+    model_sinks: (Hq,) or None. Hooks, probes and recorders read the call from here, never from op keywords."""
+
+    call: "AttentionCall"
+    x: Tensor
+    token_mask: Tensor | None = None
+    model_sinks: Tensor | None = None
+
+    @staticmethod
+    def of(args: tuple, kwargs: dict[str, Any]) -> "ForwardArgs":
+        return ForwardArgs(*args, **kwargs)
+
+    def real_queries(self) -> Tensor | None:
+        """(B, T) bool, True on real (unpadded) queries: the token mask where the layer had one, else the call's
+        key padding at the query positions (query i is key position i + S - T); None when every query is real."""
+        q, mask = self.call.q, self.call.mask
+        B, _, T, _ = q.shape
+        if self.token_mask is not None:
+            return self.token_mask
+        if mask.keys is not None and T <= mask.S and mask.keys.shape[0] == B:
+            return mask.keys[:, 0, 0, mask.S - T:]
+        return None
+
+
 class AttentionVariant(nn.Module):
     """Softmax attention; subclasses override `prologue`, `output_gate` and `attend_reference` for what differs.
 
@@ -152,27 +179,46 @@ class AttentionVariant(nn.Module):
         self.shape = shape
         self.options = options if options is not None else self.Options()
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, *, attn_mask: Tensor | None = None,
+    def __call__(self, *args, **kwargs):
+        """The ops' keyword form, module(q, k, v, x, attn_mask=..., is_causal=..., scale=..., ...), becomes the
+        per-call object here, before nn.Module runs any hook: every forward hook, probe and recorder sees
+        forward(call, x, token_mask=..., model_sinks=...), whoever called."""
+        if (args and isinstance(args[0], Tensor)) or "q" in kwargs:
+            args, kwargs = self.call_of(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def call_of(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, *, attn_mask: Tensor | None = None,
                 is_causal: bool = False, window: int | None = None, document_ids: Tensor | None = None,
                 mask: MaskSpec | None = None, scale: float | None = None, token_mask: Tensor | None = None,
-                v_mean: Tensor | None = None, backend: str | None = None,
-                kv_nonfinite: Tensor | bool | None = None, softcap: float | None = None,
-                model_sinks: Tensor | None = None) -> Tensor:
-        """The mask either parsed (mask=, e.g. once per model forward by the transformers seam) or as the op
+                v_mean: Tensor | None = None, backend: str | None = None, kv_nonfinite: Tensor | bool | None = None,
+                softcap: float | None = None, model_sinks: Tensor | None = None) -> tuple[tuple, dict[str, Any]]:
+        """The keyword form's (call, x) and keywords of `forward`. The mask either parsed (mask=) or as the op
         keywords attn_mask / is_causal / window / document_ids ((B, S) int); backend: as on the ops. v_mean and
         kv_nonfinite: what a decoding cache knows (see ops.attention.attention_with_epilogue). softcap: the
         model's logit cap (Gemma 2). model_sinks: (Hq,) the sink logits the model's own attention has (GPT-OSS's
         s_aux; see `adopt_model_sinks`)."""
         self._check_x(x, q)
+        call = AttentionCall.of(q, k, v, attn_mask=attn_mask, is_causal=is_causal, window=window,
+                                document_ids=document_ids, mask=mask, scale=scale, softcap=softcap,
+                                enable_gqa=self._gqa, v_mean=v_mean, kv_nonfinite=kv_nonfinite, backend=backend)
+        return (call, x), {"token_mask": token_mask, "model_sinks": model_sinks}
+
+    def forward(self, call: AttentionCall, x: Tensor, *, token_mask: Tensor | None = None,
+                model_sinks: Tensor | None = None) -> Tensor:
+        """call: this layer call (q (B, Hq, T, D), k, v (B, Hkv, S, D), mask, score, cache hints); x: (B, T, hidden)
+        the attention input. token_mask: (B, T) bool, True on real tokens (statistics skip padding); model_sinks:
+        (Hq,) the model's own sink logits or None. Returns (B, Hq, T, D)."""
+        if not isinstance(call, AttentionCall):
+            raise ValueError(f"{self.name}: forward takes an ops.call.AttentionCall (or call the module with q, k, v, "
+                             f"x and the op keywords), got {type(call).__name__}")
+        self._check_x(x, call.q)
         if token_mask is not None and (not isinstance(token_mask, Tensor) or token_mask.dtype != torch.bool
                                        or tuple(token_mask.shape) != tuple(x.shape[:2])):
             got = (f"{token_mask.dtype} {tuple(token_mask.shape)}" if isinstance(token_mask, Tensor)
                    else type(token_mask).__name__)
             raise ValueError(f"token_mask must be a bool tensor (B, T) = {tuple(x.shape[:2])}, True on real tokens; "
                              f"got {got} (convert an attention mask with `.bool()`)")
-        mask = self.parsed_mask(q, k, mask, attn_mask, is_causal, window, document_ids)
-        return self.attend(q, k, v, x, mask=mask, scale=scale, token_mask=token_mask, v_mean=v_mean,
-                           backend=backend, kv_nonfinite=kv_nonfinite, softcap=softcap, model_sinks=model_sinks)
+        return self.attend(call, x, token_mask=token_mask, model_sinks=model_sinks)
 
     def reference(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, *, attn_mask: Tensor | None = None,
                   is_causal: bool = False, window: int | None = None, document_ids: Tensor | None = None,
@@ -180,24 +226,22 @@ class AttentionVariant(nn.Module):
                   model_sinks: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, Any]]:
         """Eager form for analysis: (out (B, Hq, T, D), weights (B, Hq, T, S), extras such as alpha or sink mass).
 
-        Never updates state (alpha_ma stays as it is). The mask, softcap and model_sinks as in `forward`."""
-        self._check_x(x, q)
-        mask = self.parsed_mask(q, k, mask, attn_mask, is_causal, window, document_ids)
+        Never updates state (alpha_ma stays as it is). The mask, softcap and model_sinks as in `call_of`."""
+        (call, x), _ = self.call_of(q, k, v, x, attn_mask=attn_mask, is_causal=is_causal, window=window,
+                                    document_ids=document_ids, mask=mask, scale=scale, softcap=softcap)
+        return self.reference_of(call, x, model_sinks)
+
+    def reference_of(self, call: AttentionCall, x: Tensor,
+                     model_sinks: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        """`reference` of a built call: the variant's score hook applied, then the float64-readable references."""
+        q = call.q
         sinks = self._model_sinks(model_sinks, None)
-        out, w, extras = self.attend_reference(q, k, v, x, mask=mask.op_kwargs(), scale=scale, softcap=softcap,
+        out, w, extras = self.attend_reference(q, call.k, call.v, x, mask=call.mask, score=self.score(call, x),
                                                sinks=None if sinks is None else sinks.to(q.dtype))
         if sinks is not None and "sink_mass" not in extras:
             extras = {**extras, "sink_mass": 1.0 - w.sum(-1)}
         gate = self.output_gate(x)  # the readable form of the epilogue's gate: one multiply
         return (out if gate is None else out * gate), w, extras
-
-    @staticmethod
-    def parsed_mask(q: Tensor, k: Tensor, mask: MaskSpec | None, attn_mask, is_causal, window,
-                    document_ids) -> MaskSpec:
-        """The one parsed mask of this call (q: (B, Hq, T, D), k: (B, Hkv, S, D)): `mask` as given, or parsed from
-        the keywords (not both)."""
-        B, Hq, T, _ = q.shape
-        return mask_of_call(mask, attn_mask, is_causal, window, document_ids, B, Hq, T, k.shape[2], q.device)
 
     # --- what subclasses override -------------------------------------------------------------
     def prologue(self, x: Tensor, token_mask: Tensor | None) -> Prologue:
@@ -208,9 +252,16 @@ class AttentionVariant(nn.Module):
         """The epilogue's output gate from x: (B, T, hidden), broadcastable to (B, Hq, T, D); None for softmax."""
         return None
 
-    # mask: the parsed MaskSpec (attend) or its op keywords (attend_reference: the references take keywords).
-    def attend(self, q, k, v, x, *, mask: MaskSpec, scale, token_mask, v_mean, backend, kv_nonfinite,
-               softcap=None, model_sinks=None) -> Tensor:
+    def score(self, call: AttentionCall, x: Tensor) -> Score:
+        """The score hook: how this variant makes logits for `call` (x: (B, T, hidden)). The default keeps the
+        call's (scale and the model's softcap); a variant that changes logits returns e.g.
+        `call.score.with_q_scale(s)` with s: (B|1, Hq, T), or a Score with its own elementwise `fn`. The fast path
+        and the reference both apply what it returns; a backend that cannot is never handed the call."""
+        return call.score
+
+    def attend(self, call: AttentionCall, x: Tensor, *, token_mask: Tensor | None = None,
+               model_sinks: Tensor | None = None) -> Tensor:
+        """The fast path: prologue, the score hook, then one kernel and one epilogue (ops.attention.attend_call)."""
         p = self.prologue(x, token_mask)
         # A sink variant that adopted the model's sinks has none of its own: they come as model_sinks.
         sinks_ok = (p.sinks is not None) == self.needs_lse or (p.sinks is None and model_sinks is not None)
@@ -218,18 +269,17 @@ class AttentionVariant(nn.Module):
             raise ValueError(f"variant {self.name!r}: its prologue does not match what it declares it needs from "
                              f"the kernel (needs_lse={self.needs_lse}, uses_value_mean={self.uses_value_mean})")
         sinks = self._model_sinks(model_sinks, p.sinks)
-        return attention_with_epilogue(q, k, v, alpha=p.alpha, alpha_ma=p.alpha_ma, gate=p.gate, sinks=sinks,
-                                       mask=mask, scale=scale, bias_norm=p.bias_norm, enable_gqa=self._gqa,
-                                       backend=backend, v_mean=v_mean if p.alpha is not None else None,
-                                       kv_nonfinite=kv_nonfinite, softcap=softcap)
+        cache = call.cache if p.alpha is not None else call.cache._replace(v_mean=None)
+        call = call._replace(score=self.score(call, x), cache=cache)
+        return attend_call(call, alpha=p.alpha, alpha_ma=p.alpha_ma, gate=p.gate, sinks=sinks, bias_norm=p.bias_norm)
 
-    # sinks: (Hq,) the sink logits in force (the model's, or None), in q's dtype.
-    def attend_reference(self, q, k, v, x, *, mask: dict[str, Any], scale, softcap=None, sinks=None):
+    # mask: the call's MaskSpec; score: what the score hook returned; sinks: (Hq,) the sink logits in force (the
+    # model's, or None), in q's dtype. The float64-readable form of `attend`: (out, weights (B, Hq, T, S), extras).
+    def attend_reference(self, q, k, v, x, *, mask: MaskSpec, score: Score, sinks=None):
         if sinks is None:
-            out, w = softmax_attention_reference(q, k, v, **mask, scale=scale, enable_gqa=self._gqa, softcap=softcap)
+            out, w = softmax_attention_reference(q, k, v, mask=mask, score=score, enable_gqa=self._gqa)
         else:
-            out, w = sink_attention_reference(q, k, v, sinks, **mask, scale=scale, enable_gqa=self._gqa,
-                                              softcap=softcap)
+            out, w = sink_attention_reference(q, k, v, sinks, mask=mask, score=score, enable_gqa=self._gqa)
         return out, w, {}
 
     # --- a model whose attention has learned sinks of its own (GPT-OSS) ----------------------------------------

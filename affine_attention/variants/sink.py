@@ -67,10 +67,10 @@ class SinkAttention(AttentionVariant):
         # The sink lives inside the kernel (its gradient needs the kernel's backward), not in the epilogue.
         return Prologue(sinks=self._sink_logits(x.device), gate=self.output_gate(x))
 
-    def attend_reference(self, q, k, v, x, *, mask, scale, softcap=None, sinks=None):
+    def attend_reference(self, q, k, v, x, *, mask, score, sinks=None):
         if sinks is None:
             sinks = self._sink_logits(q.device).to(q.dtype)
-        out, w = sink_attention_reference(q, k, v, sinks, **mask, scale=scale, enable_gqa=self._gqa, softcap=softcap)
+        out, w = sink_attention_reference(q, k, v, sinks, mask=mask, score=score, enable_gqa=self._gqa)
         return out, w, {"sink_mass": 1.0 - w.sum(-1)}
 
 

@@ -16,6 +16,7 @@ from torch import Tensor
 from .._once import once_differentiable
 from ..._compat import as_dtype, float_acc
 from .._forcing import ForcedChoice
+from ..call import Score
 from ..masks import MaskSpec
 from .base import REGISTRY, Backend, Call
 
@@ -52,8 +53,11 @@ def forced_name() -> str | None:
 
 
 def _reason(b: Backend, call: Call) -> str | None:
-    if call.softcap is not None and not b.softcap:
-        return "no logit soft-capping (softcap)"
+    kind = None if call.score is None else call.score.kind
+    if kind is not None and kind not in b.score:
+        if kind == "softcap":
+            return "no logit soft-capping (softcap)"
+        return f"cannot apply a score function ({getattr(call.score.fn, '__name__', type(call.score.fn).__name__)})"
     return b.supports(call)
 
 
@@ -76,24 +80,26 @@ def select(call: Call, backend: str | None = None) -> Backend:
     raise ValueError("no attention backend can serve this call (" + "; ".join(reasons) + ")")
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float, *, sinks: Tensor | None = None,
-              backend: str | None = None, softcap: float | None = None) -> tuple[Tensor, Tensor | None]:
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, score: Score, *, sinks: Tensor | None = None,
+              backend: str | None = None) -> tuple[Tensor, Tensor | None]:
     """Softmax attention (with the sink's extra exp(sinks[h]) in the denominator when sinks is given) on the
     backend `select` picks.
 
-    q: (B, Hq, T, D); k, v: (B, Hkv, S, D); sinks: (Hq,) or None; softcap: logits c * tanh(x / c) (only backends
-    declaring `softcap` serve it). Returns (out (B, Hq, T, D) in q.dtype, lse (B, Hq, T) float32 of the plain
-    softmax, or None when the chosen backend has none).
+    q: (B, Hq, T, D) with score.q_scale already folded in (`score.q_scale` is None here); k, v: (B, Hkv, S, D);
+    sinks: (Hq,) or None; score: scale and score function (only backends declaring its kind serve it). Returns
+    (out (B, Hq, T, D) in q.dtype, lse (B, Hq, T) float32 of the plain softmax, or None when the chosen backend has
+    none).
     """
-    chosen = select(Call.of(q, k, mask, needs_lse=sinks is not None, softcap=softcap), backend)
+    if score.q_scale is not None:
+        raise ValueError("backends.attention takes q with score.q_scale folded in (ops.attention does it)")
+    chosen = select(Call.of(q, k, mask, needs_lse=sinks is not None, score=score), backend)
     q, k, v = fit_layout(chosen, q), fit_layout(chosen, k), fit_layout(chosen, v)
-    score = {} if softcap is None else {"softcap": softcap}  # only a backend that declares softcap receives it
     if not chosen.has_lse:
-        return chosen.attention(q, k, v, mask, scale, **score), None
+        return chosen.attention(q, k, v, mask, score), None
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
-        out, lse = chosen.forward(q, k, v, mask, scale, **score)  # nothing to differentiate (decoding): no node
+        out, lse = chosen.forward(q, k, v, mask, score)  # nothing to differentiate (decoding): no node
         return with_sink(out, lse, sinks)[0], lse
-    return KernelAttention.apply(chosen, q, k, v, sinks, mask, scale, score)
+    return KernelAttention.apply(chosen, q, k, v, sinks, mask, score)
 
 
 def fit_layout(b: Backend, t: Tensor) -> Tensor:
@@ -129,12 +135,11 @@ class KernelAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, backend: Backend, q, k, v, sinks, mask: MaskSpec, scale: float, score: dict | None = None):
-        score = score or {}  # {"softcap": c} for a backend that caps
-        out, lse = backend.forward(q, k, v, mask, scale, **score)
+    def forward(ctx, backend: Backend, q, k, v, sinks, mask: MaskSpec, score: Score):
+        out, lse = backend.forward(q, k, v, mask, score)
         out, gate = with_sink(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, gate, sinks)
-        ctx.backend, ctx.mask, ctx.scale, ctx.score = backend, mask, scale, score
+        ctx.backend, ctx.mask, ctx.score = backend, mask, score
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -152,8 +157,8 @@ class KernelAttention(torch.autograd.Function):
                 delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, Hq, T) = g * dO.out
                 one_minus = torch.sigmoid(-_sink_gap(lse, sinks, acc))
                 dsinks = -(one_minus * delta).sum((0, 2)).to(sinks.dtype)
-        dq, dk, dv = ctx.backend.backward(grad, q, k, v, out, lse, ctx.mask, ctx.scale, **ctx.score)
-        return None, dq, dk, dv, dsinks, None, None, None
+        dq, dk, dv = ctx.backend.backward(grad, q, k, v, out, lse, ctx.mask, ctx.score)
+        return None, dq, dk, dv, dsinks, None, None
 
 
 __all__ = ["BACKENDS", "Backend", "Call", "KernelAttention", "attention", "backend_names", "fit_layout", "forced_name",

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..call import Score
 from ..masks import MaskSpec
 
 
@@ -19,7 +20,8 @@ class Call(NamedTuple):
     """What a backend is asked to do; `Backend.supports` reads only this (shapes, dtype, device, mask kinds).
 
     q: (B, Hq, T, D), k/v: (B, Hkv, S, D). needs_lse: the caller wants the log-sum-exp (sinks) or, equivalently,
-    the raw forward/backward pair. A NamedTuple: it is built on every op call, and cheap to build.
+    the raw forward/backward pair. score: how logits are made (its q_scale already folded into q by the caller).
+    A NamedTuple: it is built on every op call, and cheap to build.
     """
 
     device_type: str
@@ -33,13 +35,13 @@ class Call(NamedTuple):
     mask: MaskSpec
     needs_lse: bool
     requires_grad: bool
-    softcap: float | None = None
+    score: Score | None = None  # None: plain logits (q.k scale, no score function)
 
     @staticmethod
-    def of(q: Tensor, k: Tensor, mask: MaskSpec, needs_lse: bool, softcap: float | None = None) -> "Call":
+    def of(q: Tensor, k: Tensor, mask: MaskSpec, needs_lse: bool, score: Score | None = None) -> "Call":
         B, Hq, T, D = q.shape
         return Call(q.device.type, q.dtype, B, Hq, k.shape[1], T, k.shape[2], D, mask, needs_lse,
-                    torch.is_grad_enabled() and (q.requires_grad or k.requires_grad), softcap)
+                    torch.is_grad_enabled() and (q.requires_grad or k.requires_grad), score)
 
 
 class Backend:
@@ -53,9 +55,10 @@ class Backend:
     name: str = ""
     priority: int = 0
     has_lse: bool = True
-    #: Whether forward/backward take `softcap=c` (logits c * tanh(x / c)); the dispatcher never hands a capped call
-    #: to a backend that cannot cap, since plain softmax on uncapped logits would be silently wrong.
-    softcap: bool = False
+    #: The score functions (`Score.kind`: "softcap", "score_fn") this kernel applies to its logits; the dispatcher
+    #: never hands a call whose score has another to it, since softmax of the unchanged logits would be silently
+    #: wrong. Every kernel reads `score.scale`; `score.q_scale` never reaches one (folded into q).
+    score: frozenset[str] = frozenset()
     #: The memory layouts the kernel reads correctly. "any": every strided view (eager ops, or torch's SDPA, which
     #: fixes layouts itself). "last_dim_contiguous": the head dimension D must have stride 1 (aten's flash kernels
     #: read D as a dense vector and, given a transposed or D-expanded view, read memory that is not the input).
@@ -71,16 +74,16 @@ class Backend:
         """None if this backend computes `call` exactly; otherwise a short reason naming what it lacks."""
         raise NotImplementedError
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float) -> Tensor:
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, score: Score) -> Tensor:
         """Differentiable softmax attention (backends without an lse)."""
         raise NotImplementedError(f"backend {self.name!r} has no differentiable attention()")
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float) -> tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, score: Score) -> tuple[Tensor, Tensor]:
         """Raw forward (no autograd): (out, lse)."""
         raise NotImplementedError(f"backend {self.name!r} has no raw forward()")
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: MaskSpec,
-                 scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                 score: Score) -> tuple[Tensor, Tensor, Tensor]:
         """Raw backward of softmax attention: (dq, dk, dv) given dout and the forward's out and lse.
 
         Uses the row term D_i = sum_d dout_id * out_id; the sink trick relies on exactly that (see KernelAttention).

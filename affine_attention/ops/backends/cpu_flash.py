@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..._compat import float_acc
+from ..call import Score
 from ..masks import MaskSpec
 from .base import Backend, Call, register
 
@@ -79,7 +80,8 @@ class CpuFlashBackend(Backend):
             return "masks ['dense'] (an arbitrary boolean attn_mask)"
         return None
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float) -> tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, score: Score) -> tuple[Tensor, Tensor]:
+        scale = score.scale
         fwd, _ = _ops()
         if not _banded(mask):
             bias, causal = _whole_bias(mask, q.dtype)
@@ -100,7 +102,8 @@ class CpuFlashBackend(Backend):
             lse[:, :, a:b] = l_.masked_fill(~vis.any(-1), float("-inf"))
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
+    def backward(self, dout, q, k, v, out, lse, mask, score):
+        scale = score.scale
         _, bwd = _ops()
         # The kernel marks a row that sees nothing with lse 0, not -inf (which would make its exp(s - lse) NaN).
         lse = torch.where(torch.isfinite(lse), lse, torch.zeros((), dtype=lse.dtype, device=lse.device))

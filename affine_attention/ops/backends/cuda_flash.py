@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..._compat import float_acc
+from ..call import Score
 from ..masks import MaskSpec
 from .base import Backend, Call, register
 
@@ -284,7 +285,8 @@ class CudaFlashBackend(Backend):
             return "a dense boolean mask"
         return reason(call.mask, call.B)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float) -> tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, score: Score) -> tuple[Tensor, Tensor]:
+        scale = score.scale
         """q: (B, Hq, T, D); k, v: (B, Hkv, S, D) -> out (B, Hq, T, D) q.dtype, lse (B, Hq, T) float32."""
         fwd, _ = _ops()
         B, Hq, T, D = q.shape
@@ -325,7 +327,8 @@ class CudaFlashBackend(Backend):
         out = out.view(B, T, Hq, D).transpose(1, 2)
         return _poison_broken_rows(out, mask, B), lse.view(Hq, B, T).transpose(0, 1)
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
+    def backward(self, dout, q, k, v, out, lse, mask, score):
+        scale = score.scale
         """dout, out: (B, Hq, T, D); lse: (B, Hq, T) -> dq (B, Hq, T, D), dk, dv (B, Hkv, S, D)."""
         _, bwd = _ops()
         B, Hq, T, D = q.shape

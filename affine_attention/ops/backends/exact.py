@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ..._compat import float_acc
+from ..call import Score, Softcap
 from ..masks import MaskSpec
 from .base import Backend, Call, register
 
@@ -21,14 +22,23 @@ def _expand(x: Tensor, Hq: int) -> Tensor:
     return x if x.shape[1] == Hq else x.repeat_interleave(Hq // x.shape[1], dim=1)
 
 
-def _logits(q_c: Tensor, k: Tensor, scale: float, softcap: float | None) -> tuple[Tensor, Tensor | None]:
-    """(logits (B, Hq, C, S), d logits / d (q.k scale) or None): q.k * scale, capped to c * tanh(x / c) when
-    softcap = c is given (Gemma 2), whose derivative 1 - tanh^2 the backward multiplies in."""
-    logits = (q_c @ k.transpose(-1, -2)) * scale
-    if softcap is None:
-        return logits, None
-    t = torch.tanh(logits / softcap)
-    return softcap * t, 1 - t * t
+def _logits(q_c: Tensor, k: Tensor, score: Score, slope: bool) -> tuple[Tensor, Tensor | None]:
+    """(logits (B, Hq, C, S), d logits / d (q.k scale) or None): score.fn of q.k * scale; with slope, the
+    derivative of fn that the backward multiplies in (Softcap's 1 - tanh^2 in closed form; any other elementwise
+    function's by autograd at these logits)."""
+    x = (q_c @ k.transpose(-1, -2)) * score.scale
+    fn = score.fn
+    if fn is None:
+        return x, None
+    if not slope:
+        return fn(x), None
+    if isinstance(fn, Softcap):
+        return fn(x), fn.derivative(x)
+    with torch.enable_grad():
+        xg = x.detach().requires_grad_(True)
+        y = fn(xg)
+        (d,) = torch.autograd.grad(y.sum(), xg)  # elementwise: the gradient of the sum is the slope
+    return y.detach(), d
 
 
 def _weights(logits: Tensor, vis: Tensor, lse: Tensor | None):
@@ -47,13 +57,12 @@ def _weights(logits: Tensor, vis: Tensor, lse: Tensor | None):
 class ExactBackend(Backend):
     name = "exact"
     priority = 10  # last: any mask, device and dtype
-    softcap = True
+    score = frozenset({"softcap", "score_fn"})  # it materialises the logits, so any elementwise function
 
     def supports(self, call: Call) -> str | None:
         return None  # any mask, device and dtype
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float,
-                softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, score: Score) -> tuple[Tensor, Tensor]:
         acc = float_acc(q.dtype)
         B, Hq, T, D = q.shape
         kf, vf = _expand(k, Hq).to(acc), _expand(v, Hq).to(acc)
@@ -62,12 +71,13 @@ class ExactBackend(Backend):
         for start in range(0, T, CHUNK):
             stop = min(T, start + CHUNK)
             vis = mask.chunk_bool(start, stop, q.device)
-            p, lse_c = _weights(_logits(q[:, :, start:stop].to(acc), kf, scale, softcap)[0], vis, None)
+            p, lse_c = _weights(_logits(q[:, :, start:stop].to(acc), kf, score, False)[0], vis, None)
             out[:, :, start:stop] = (p @ vf).to(q.dtype)
             lse[:, :, start:stop] = lse_c
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale, softcap=None):
+    def backward(self, dout, q, k, v, out, lse, mask, score):
+        scale = score.scale
         acc = float_acc(q.dtype)
         B, Hq, T, D = q.shape
         Hkv = k.shape[1]
@@ -81,7 +91,7 @@ class ExactBackend(Backend):
             stop = min(T, start + CHUNK)
             vis = mask.chunk_bool(start, stop, q.device)
             q_c = q[:, :, start:stop].to(acc)
-            logits, dcap = _logits(q_c, kf, scale, softcap)
+            logits, dcap = _logits(q_c, kf, score, True)
             p, _ = _weights(logits, vis, lse[:, :, start:stop])
             do_c = dof[:, :, start:stop]
             dv += p.transpose(-1, -2) @ do_c

@@ -9,6 +9,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..call import Score
 from ..masks import MaskSpec
 from .base import Backend, Call, register
 
@@ -42,7 +43,8 @@ class SdpaBackend(Backend):
             return "causal with 1 < T < S (SDPA aligns causal top-left)"
         return None
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float) -> Tensor:
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, score: Score) -> Tensor:
+        scale = score.scale
         causal = mask.causal and not mask.causal_is_trivial
         gqa = q.shape[1] != k.shape[1]
         if not _restricted(q):
