@@ -4,8 +4,10 @@ decoding), every other candidate refused with its recorded reason, and every rea
 it through the seam. docs/families.md and `affine-attention families --all` are generated from the same records."""
 from __future__ import annotations
 
+import functools
 import inspect
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,12 @@ TABLE = {f.model_type: f for f in FAMILIES.values()}
 # The families the per-family test files (tests/test_hf_*.py) already check in depth run here only in the full cross.
 EXACT = [pytest.param(t, id=t, marks=() if not f.core else (pytest.mark.exhaustive,)) for t, f in TABLE.items()]
 EXACT += [pytest.param(t, id=t) for t in sorted(ALIASES)]
+
+
+@functools.lru_cache(maxsize=None)
+def _verdict(model_type: str) -> survey.Verdict:
+    """One check per family and test process (several tests read the same verdict)."""
+    return survey.check(_candidate(model_type))
 
 
 def _candidate(model_type: str) -> survey.Candidate:
@@ -74,7 +82,7 @@ def test_an_alias_converts_saves_and_loads_as_its_family(tmp_path):
 
 @pytest.mark.parametrize("model_type", sorted(REFUSED))
 def test_every_other_candidate_is_refused_for_its_recorded_reason(model_type):
-    verdict = survey.check(_candidate(model_type))
+    verdict = _verdict(model_type)
     assert verdict.reason == REFUSED[model_type][0], f"{model_type}: {verdict.reason}: {verdict.detail}"
 
 
@@ -89,9 +97,11 @@ def test_convert_names_the_family_and_its_reason():
 FORCED = {
     "encoder_decoder": ("bart", dict(d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128,
                                      encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=128,
-                                     vocab_size=128, max_position_embeddings=64), "has no `model.layers`"),
-    "cross_attention": ("bert", dict(vocab_size=128), "has no `model.layers`"),
-    "latent_attention": ("deepseek_v3", {}, "k and v must have the same shape"),
+                                     vocab_size=128, max_position_embeddings=64),
+                        "BartDecoderWrapper' object has no attribute 'layers'"),
+    "cross_attention": ("bert", dict(vocab_size=128), "BertLMHeadModel' object has no attribute 'model'"),
+    # queries and keys carry a RoPE part the values lack: the seam's one head size does not describe them
+    "latent_attention": ("deepseek_v3", {}, "must match the size of tensor"),
     "linear_or_state_space": ("qwen3_next", {}, "has no attribute 'self_attn'"),
     "layout": ("phi", {}, "has no attribute 'o_proj'"),
     "seam": ("minimax_m3_vl_text", {}, r"passes \['block_indices'\]"),
@@ -110,10 +120,11 @@ def test_a_structural_refusal_is_true_forced_through_the_seam_it_breaks(reason):
 def test_a_decoder_that_drops_kwargs_loses_packed_documents_and_only_them():
     model_type = "nemotron"
     assert REFUSED[model_type][0] == "drops_kwargs"
-    layer = getattr(transformers, _candidate(model_type).model_class.replace("ForCausalLM", "DecoderLayer"))
+    model_class = getattr(transformers, _candidate(model_type).model_class)
+    layer = getattr(sys.modules[model_class.__module__], model_class.__name__.replace("ForCausalLM", "DecoderLayer"))
     call = inspect.getsource(layer.forward).split("self.self_attn(")[1].split(")")[0]
     assert "**kwargs" not in call  # the attention call names its arguments and forwards nothing else
-    deltas = survey.check(_candidate(model_type)).deltas
+    deltas = _verdict(model_type).deltas
     assert deltas["packed"] > 0.1 and deltas["packed_eager"] <= survey.TOL  # documents attend to each other
     assert all(deltas[k] <= survey.TOL for k in ("left", "right", "retrofit", "cache"))
 
@@ -123,7 +134,7 @@ def test_a_norm_before_the_output_projection_breaks_the_retrofit():
     assert REFUSED[model_type][0] == "not_exact"
     base = survey.tiny_model(_candidate(model_type))
     assert hasattr(base.model.layers[0].self_attn, "attn_sub_norm")  # RMSNorm undoes the folded 1 / c in o_proj
-    deltas = survey.check(_candidate(model_type)).deltas
+    deltas = _verdict(model_type).deltas
     assert deltas["retrofit"] > 0.1 and all(deltas[k] <= survey.TOL for k in ("left", "right", "cache"))
 
 
@@ -135,10 +146,13 @@ def test_train_writes_every_value_under_the_familys_own_config_key(family):
 
     f = FAMILIES[family]
     defaults = f.classes()[0]().to_dict()
-    config = hf_config(ModelConfig(arch=family, rms_norm_eps=1e-3, initializer_range=0.05, head_dim=0))
-    written = {k for k, v in config.to_dict().items() if k not in defaults}
-    assert not written - {"head_dim"}, f"{family}: keys its config class does not know: {sorted(written)}"
     eps_key = f.config_keys.get("rms_norm_eps", "rms_norm_eps")
+    eps = {} if eps_key is None else {"rms_norm_eps": 1e-3}
+    config = hf_config(ModelConfig(arch=family, intermediate_size=40, **eps), eos_token_id=2, pad_token_id=0)
+    written = {k for k, v in config.to_dict().items() if k not in defaults}
+    # head_dim: hidden_size // num_heads, what a config without the key computes itself
+    assert not written - {"head_dim"}, f"{family}: keys its config class does not know: {sorted(written)}"
+    assert getattr(config, f.config_keys.get("intermediate_size", "intermediate_size")) == 40
     if eps_key is not None:
         assert getattr(config, eps_key) == 1e-3
     for key, target in f.config_keys.items():
@@ -157,7 +171,7 @@ def test_a_family_without_the_setting_refuses_it_and_a_renamed_key_would_be_lost
     missing = [f for f in FAMILIES.values() if f.available() and "rms_norm_eps" in f.config_keys
                and f.config_keys["rms_norm_eps"] is None]
     with pytest.raises(ValueError, match=f"the {missing[0].name} architecture has no `rms_norm_eps` setting"):
-        hf_config(ModelConfig(arch=missing[0].name, rms_norm_eps=1e-3))
+        hf_config(ModelConfig(arch=missing[0].name, rms_norm_eps=1e-3), eos_token_id=2, pad_token_id=0)
 
 
 # --- variants pairwise over the enumerated families ----------------------------------------------------------------

@@ -81,7 +81,7 @@ def _families(args: argparse.Namespace) -> int:
         text, disagree = survey_report()
         print(text)
         return int(disagree > 0)
-    print(families_markdown() if args.all else families_table())
+    print(families_markdown() if args.all else families_table(), end="\n" if not args.all else "")
     return 0
 
 
