@@ -1,8 +1,32 @@
 """The transformers decoder families `convert` does not take, each with the reason the enumeration found
 (hf/family_survey.py; tests/test_families_enumerated.py re-derives every verdict on the installed transformers), and
 the model types that run a table family's class: data for `affine-attention families --all`, docs/families.md and
-convert's refusal. Regenerate with `affine-attention families --survey` after a transformers upgrade."""
+convert's refusal. After a transformers upgrade, `affine-attention families --survey` lists every verdict that differs
+from these records."""
 from __future__ import annotations
+
+# Why a candidate family is refused, by reason key. Each is shown true by a test that forces one such family through
+# the seam and watches what breaks (tests/test_families_enumerated.py).
+REASONS = {
+    "encoder_decoder": "the decoder of an encoder-decoder model: its layers cross-attend to encoder states, which "
+                       "no variant computes",
+    "cross_attention": "a BERT-style encoder stack run as a decoder, with optional cross attention to encoder "
+                       "states and no model.layers of decoder layers",
+    "multimodal": "a multimodal wrapper: convert its text model (the family of its language model)",
+    "latent_attention": "multi-head latent attention (MLA): keys and values are decompressed from a low-rank latent, "
+                        "which the seam's layer shapes and caches do not describe",
+    "linear_or_state_space": "a hybrid stack with linear-attention or state-space layers beside softmax layers; "
+                             "converting only its softmax layers is not checked exact, so the whole family is refused",
+    "layout": "its attention is not laid out as model.layers[i].self_attn with an o_proj output projection, which "
+              "the conversion and the retrofit address",
+    "drops_kwargs": "its decoder drops the attention **kwargs, so the per-forward context (packed documents, the "
+                    "mask memo) never reaches the attention function: a packed batch would attend across documents",
+    "seam": "its attention function receives something the seam refuses or cannot honour",
+    "unchecked": "no tiny model could be built from its config class with the standard size keys, so it was not "
+                 "checked and is not converted",
+    "not_exact": "converted, it does not reproduce transformers' eager attention, or its retrofit does not keep the "
+                 "logits",
+}
 
 NEWEST = "5.24"  # the transformers these records were taken on
 LOWEST = "5.17"  # the lowest supported transformers
@@ -14,7 +38,7 @@ ABSENT_IN_LOWEST = (
 )
 # model type -> the table family whose model class it runs (with a config class of its own)
 ALIASES = {"exaone": "llama", "internlm3": "llama", "iquestcoder": "llama", "sarvam_moe": "glm4_moe"}
-# model type -> (reason key of family_survey.REASONS, what was found)
+# model type -> (reason key of REASONS, what was found)
 REFUSED = {
     "axk1": ("latent_attention", "config.kv_lora_rank"),
     "axk2": ("latent_attention", "config.kv_lora_rank"),
@@ -140,8 +164,6 @@ REFUSED = {
 
 def refusal_message(model_type: str | None) -> str | None:
     """Why `convert` does not take a model of this transformers model type, or None when it is not refused."""
-    from .family_survey import REASONS
-
     if model_type not in REFUSED:
         return None
     reason, found = REFUSED[model_type]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .families import FAMILIES
-from .families_refused import ABSENT_IN_LOWEST, ALIASES, LOWEST, NEWEST, REFUSED
-from .family_survey import CHECKS, REASONS, TOL
+from .families_refused import ABSENT_IN_LOWEST, ALIASES, LOWEST, NEWEST, REASONS, REFUSED
+from .family_survey import CHECKS, TOL
 
 DOC_HEADER = "# Model families"
 

@@ -1,6 +1,6 @@
 """Every decoder family the installed transformers ships, enumerated from transformers itself (its causal-LM mapping,
 kept where the modeling code calls its attention interface), each checked exact under conversion or refused with its
-reason: the data behind `affine-attention families --survey` and docs/families.md."""
+reason (the keys of families_refused.REASONS): `affine-attention families --survey` and the enumeration's tests."""
 from __future__ import annotations
 
 import copy
@@ -12,27 +12,6 @@ from typing import Any
 
 import torch
 
-# Why a candidate family is refused, by reason key. Each is shown true by a test that forces one such family through
-# the seam and watches what breaks (tests/test_families_enumerated.py).
-REASONS = {
-    "encoder_decoder": "the decoder of an encoder-decoder model: its layers cross-attend to encoder states, which "
-                       "no variant computes",
-    "cross_attention": "an encoder stack run as a decoder, with optional cross attention and no model.layers of "
-                       "decoder layers",
-    "multimodal": "a multimodal wrapper: convert its text model (the family of its language model)",
-    "latent_attention": "multi-head latent attention (MLA): keys and values are decompressed from a low-rank latent, "
-                        "which the seam's layer shapes and caches do not describe",
-    "linear_or_state_space": "a hybrid stack with linear-attention or state-space layers beside softmax layers; "
-                             "converting only its softmax layers is not checked exact, so the whole family is refused",
-    "layout": "its attention is not laid out as model.layers[i].self_attn with an o_proj output projection, which "
-              "the conversion and the retrofit address",
-    "drops_kwargs": "its decoder drops the attention **kwargs, so the per-forward context (packed documents, the "
-                    "mask memo) never reaches the attention function: a packed batch would attend across documents",
-    "seam": "its attention function receives something the seam refuses or cannot honour",
-    "unchecked": "no tiny model could be built from its config class with the standard size keys, so it was not "
-                 "checked and is not converted",
-    "not_exact": "converted to softmax it does not reproduce transformers' eager attention",
-}
 # The sizes of a tiny test model, applied to the keys a family's config has (hidden 64, 2 layers, 4 heads of 16,
 # 2 KV heads, vocabulary 128, small MoE).
 TINY = {
