@@ -40,8 +40,9 @@ def _params(args: argparse.Namespace) -> int:
 
 
 def families_table() -> str:
-    """Markdown: one row per core family of the family table (Family.core), one column per variant ("yes"; "yes, no retrofit" where
-    function_preserving=True is refused; "no [n]" with reason n below), then the family's attention and PEFT facts."""
+    """Markdown: one row per core family of the table (Family.core), one column per variant ("yes"; "yes, no retrofit"
+    where function_preserving=True is refused; "no [n]" with reason n below), then the family's attention and PEFT
+    facts; last, the enumeration's one-line summary (docs/families.md has every family)."""
     from ..variants import AttentionShape, build_variant, variant_names
     from .families import FAMILIES, refusal
     from .family_docs import summary

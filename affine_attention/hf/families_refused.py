@@ -65,7 +65,7 @@ REFUSED = {
     "deepseek_v4": ("latent_attention", "config.q_lora_rank"),
     "diffllama": ("not_exact", "retrofit 0.084"),
     "doge": ("seam",
-        "ValueError: affine_attention expects a boolean 4D mask (True = may attend), got dtype torch.float32; pass ..."),
+        "ValueError: affine_attention expects a boolean 4D mask (True = may attend), got dtype torch.float32"),
     "dory": ("seam",
         "RuntimeError: The size of tensor a (15) must match the size of tensor b (12) at non-singleton dimension 3"),
     "dots1": ("unchecked", "TypeError: unsupported operand type(s) for *: 'int' and 'NoneType'"),

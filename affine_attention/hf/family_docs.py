@@ -45,7 +45,7 @@ def families_markdown() -> str:
              "eager attention keeps packed documents apart; where it does not (AFMoE and GPT-OSS at "
              f"transformers {NEWEST}), the converted model still keeps them apart.", "",
              "## Exact: the family table", "",
-             "| family | transformers class | q/k/v projections | attention function receives | per-family test files |",
+             "| family | transformers class | q/k/v projections | attention function receives | per-family tests |",
              "|---|---|---|---|---|"]
     for f in FAMILIES.values():
         lines.append(f"| {f.name} | {f.model_class} | {f.projections} | {f.attention} | "

@@ -8,7 +8,6 @@ import inspect
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -25,7 +24,7 @@ TINY = {
 }
 WINDOW = 4
 MAX_TINY_PARAMETERS = 5_000_000  # a family whose config ignores the TINY keys is not built for real
-_WINDOW_KINDS = {"full_attention", "sliding_attention"}
+_WINDOW_KINDS = {"full_attention", "sliding_attention"}  # the layer types the seam runs
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,6 @@ def tiny_config(candidate: Candidate, **overrides):
 
 
 _HYBRID = re.compile(r"Mamba|LinearAtt|DeltaNet|ShortConv|Recurrent|Lightning|SSM|Mlstm|MLSTM|Rglru|Mixer")
-_ATTENTION_KINDS = {"full_attention", "sliding_attention"}
 
 
 def class_refusal(candidate: Candidate) -> tuple[str, str] | None:
@@ -108,7 +106,7 @@ def static_refusal(candidate: Candidate, config, meta_model) -> tuple[str, str] 
     if cross:
         return "cross_attention", ", ".join(cross)
     hybrid = sorted(n for n in names if _HYBRID.search(n))
-    kinds = set(getattr(config, "layer_types", None) or ()) - _ATTENTION_KINDS
+    kinds = set(getattr(config, "layer_types", None) or ()) - _WINDOW_KINDS
     if hybrid:
         return "linear_or_state_space", ", ".join(hybrid)
     if layers is None:
