@@ -46,7 +46,7 @@ def covering_pairs(families: Sequence[str] | None = None, variants: Sequence[str
                    per_variant: int = 3, ok: Callable[[str, str], bool] = accepts) -> list[tuple[str, str]]:
     """A deterministic covering design (module docstring): greedy, least-used variant first, then the one covering
     most kinds, so the pairs spread over the variants."""
-    families = list(family_names() if families is None else families)
+    families = list(family_names(core=True) if families is None else families)
     variants = list(variant_names() if variants is None else variants)
     chosen: list[tuple[str, str]] = []
     uses: Counter = Counter()
@@ -76,7 +76,7 @@ def uncovered(design: Sequence[tuple[str, str]], families: Sequence[str] | None 
               variants: Sequence[str] | None = None, *, per_variant: int = 3,
               ok: Callable[[str, str], bool] = accepts) -> list[str]:
     """Every fact of the full cross that `design` leaves unproven (empty: the design covers the cross)."""
-    families = list(family_names() if families is None else families)
+    families = list(family_names(core=True) if families is None else families)
     variants = list(variant_names() if variants is None else variants)
     missing = [f"{f} x {v}: refused, not a case" for f, v in design if not ok(f, v)]
     for f in families:
@@ -95,7 +95,7 @@ def split_cross(design: Sequence[tuple[str, str]], families: Sequence[str] | Non
     """pytest params: the design's pairs unmarked, the rest of the accepted cross marked `exhaustive`."""
     import pytest
 
-    families = list(family_names() if families is None else families)
+    families = list(family_names(core=True) if families is None else families)
     variants = list(variant_names() if variants is None else variants)
     chosen = set(design)
     return [pytest.param(f, v, id=f"{f}-{v}", marks=() if (f, v) in chosen else (pytest.mark.exhaustive,))
@@ -105,7 +105,7 @@ def split_cross(design: Sequence[tuple[str, str]], families: Sequence[str] | Non
 def covering_table(design: Sequence[tuple[str, str]], families: Sequence[str] | None = None,
                    variants: Sequence[str] | None = None, ok: Callable[[str, str], bool] = accepts) -> str:
     """Markdown: each accepted pair left out of the design, and the design's pairs that prove its facts."""
-    families = list(family_names() if families is None else families)
+    families = list(family_names(core=True) if families is None else families)
     variants = list(variant_names() if variants is None else variants)
     chosen = set(design)
     rows = ["| left out | its family's path of that kind | the variant on other families |", "|---|---|---|"]

@@ -40,10 +40,12 @@ def _params(args: argparse.Namespace) -> int:
 
 
 def families_table() -> str:
-    """Markdown: one row per family of the family table, one column per variant ("yes"; "yes, no retrofit" where
-    function_preserving=True is refused; "no [n]" with reason n below), then the family's attention and PEFT facts."""
+    """Markdown: one row per core family of the table (Family.core), one column per variant ("yes"; "yes, no retrofit"
+    where function_preserving=True is refused; "no [n]" with reason n below), then the family's attention and PEFT
+    facts; last, the enumeration's one-line summary (docs/families.md has every family)."""
     from ..variants import get_variant, variant_names
     from .families import FAMILIES, refusal
+    from .family_docs import summary
 
     variants = variant_names()
     reasons: list[str] = []
@@ -62,16 +64,22 @@ def families_table() -> str:
 
     lines = ["| family (transformers class) | " + " | ".join(variants) + " | attention function receives | "
              "q/k/v projections | PEFT targets |", "|---|" + "---|" * (len(variants) + 3)]
-    for f in FAMILIES.values():
+    for f in (f for f in FAMILIES.values() if f.core):
         cells = " | ".join(cell(f.name, v) for v in variants)
         lines.append(f"| {f.name} ({f.model_class}) | {cells} | {f.attention} | {f.projections} | "
                      f"{', '.join(f.peft_targets)} |")
-    lines += [""] + [f"[{i}] {text}" for i, text in enumerate(reasons, 1)]
+    lines += [""] + [f"[{i}] {text}" for i, text in enumerate(reasons, 1)] + ["", summary()]
     return "\n".join(lines)
 
 
 def _families(args: argparse.Namespace) -> int:
-    print(families_table())
+    from .family_docs import families_markdown, survey_report
+
+    if args.survey:
+        text, disagree = survey_report()
+        print(text)
+        return int(disagree > 0)
+    print(families_markdown() if args.all else families_table(), end="\n" if not args.all else "")
     return 0
 
 
@@ -80,6 +88,10 @@ def add_commands(subparsers) -> None:
                               description="Print a markdown table: every supported model family (the family table, "
                                           "affine_attention/hf/families.py) x every variant, what is refused and "
                                           "why, and what each family's attention receives.")
+    f.add_argument("--all", action="store_true", help="every family enumerated from transformers, exact or refused "
+                   "with its reason (docs/families.md)")
+    f.add_argument("--survey", action="store_true", help="check every candidate family of the installed "
+                   "transformers now (a tiny model each, minutes) and compare with the records")
     f.set_defaults(func=_families)
 
     p = subparsers.add_parser("params", help="parameters each attention variant adds to a model preset",

@@ -9,7 +9,7 @@ from torch import nn
 
 from . import models
 from .attention import ATTN_IMPLEMENTATION
-from .families import get_family
+from .families import Family, get_family
 from .registration import register
 from ..variants import build_variant
 from .layers import CONFIG_KEY, VARIANT_ATTR, attach_variants, attention_layers, layer_shape, make_spec
@@ -32,7 +32,7 @@ def convert(model: nn.Module, variant: str, *, function_preserving: bool = False
     `save_pretrained` writes a checkpoint that `from_pretrained` restores after `import affine_attention` (and that
     refuses to load as plain softmax attention without it). Returns the same model object.
     """
-    family = models.family_of(model)  # ValueError for converted or unsupported models
+    family = _family_or_refusal(model)
     spec = make_spec(variant, options)
     if getattr(model.config, "attention_dropout", 0.0):
         raise ValueError(f"attention dropout ({model.config.attention_dropout}) is not supported by affine_attention "
@@ -41,25 +41,46 @@ def convert(model: nn.Module, variant: str, *, function_preserving: bool = False
         raise ValueError(f"function_preserving must be True or False, got {function_preserving!r}")
     config_cls, model_cls = models.affine_classes(family, type(model))
     _release_dequantised_gguf(model)
-    if function_preserving:
-        # A variant that cannot preserve the function says so before anything is attached.
-        probe = build_variant(variant, layer_shape(model.config, attention_layers(model)[0]), **spec["options"])
-        probe.retrofit()
-        spec["retrofit"] = {"function_preserving": True, "weight_scale": probe.retrofit_weight_scale()}
-    with torch.no_grad():
-        attach_variants(model, spec, get_family(family))  # by class: a subclass may have its own model type
-        if function_preserving:
-            spec["retrofit"]["o_proj_scale"] = _fold_output_scale(model)
-    _give_own_config(model)
-    setattr(model.config, CONFIG_KEY, spec)
-    register()  # transformers accepts the implementation (and AutoModelForCausalLM the saved model) once registered
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    convert_layers(model, get_family(family), spec, function_preserving)  # by class: a subclass may have its own type
     # The model keeps its identity and weights; only its class (and its config's) change to the registered
     # subclasses, which add nothing but the save/load behaviour of converted checkpoints.
     model.config.__class__ = config_cls
     model.__class__ = model_cls
     model.config.auto_map = model_cls.hub_auto_map()
     return model
+
+
+def _family_or_refusal(model: nn.Module) -> str:
+    """The model's family; for a family transformers ships that the enumeration refused, a ValueError naming it and
+    the reason (families_refused.py), else models.family_of's ValueError (converted or unknown models)."""
+    from .families_refused import refusal_message
+
+    try:
+        return models.family_of(model)
+    except ValueError:
+        why = refusal_message(getattr(getattr(model, "config", None), "model_type", None))
+        if why is None:
+            raise
+        raise ValueError(f"cannot convert {type(model).__name__}: {why}") from None
+
+
+def convert_layers(model: nn.Module, family: Family, spec: dict, function_preserving: bool) -> None:
+    """The attention part of `convert`, for a model laid out as `family` says: every layer's variant, the retrofit's
+    output scale, the spec in the config and the seam as the attention implementation (the class stays)."""
+    if function_preserving:
+        # A variant that cannot preserve the function says so before anything is attached.
+        probe = build_variant(spec["variant"], layer_shape(model.config, attention_layers(model)[0]),
+                              **spec["options"])
+        probe.retrofit()
+        spec["retrofit"] = {"function_preserving": True, "weight_scale": probe.retrofit_weight_scale()}
+    with torch.no_grad():
+        attach_variants(model, spec, family)
+        if function_preserving:
+            spec["retrofit"]["o_proj_scale"] = _fold_output_scale(model)
+    _give_own_config(model)
+    setattr(model.config, CONFIG_KEY, spec)
+    register()  # transformers accepts the implementation (and AutoModelForCausalLM the saved model) once registered
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
 def _release_dequantised_gguf(model: nn.Module) -> None:

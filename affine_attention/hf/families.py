@@ -7,7 +7,7 @@ This module imports no transformers: classes are named, and resolved (`Family.cl
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -84,6 +84,13 @@ class Family:
     # train: the config takes RoPE parameters per layer type ({"sliding_attention": {...}, "full_attention": {...}});
     # [model]'s one rope_theta then serves both.
     rope_per_layer_type: bool = False
+    # train: the family's own config key for each key `train` writes (hf_config) that it names differently, e.g.
+    # Cohere's {"rms_norm_eps": "layer_norm_eps"}; None: it has no such setting (a [model] value is refused). A config
+    # class takes an unknown key without a word, so without this the value would be dropped silently.
+    config_keys: Mapping[str, str | None] = field(default_factory=lambda: MappingProxyType({}))
+    # The per-family test files (tests/test_hf_*.py) run it. The others (core=False) share the layout of these and are
+    # proven by tests/test_families_enumerated.py alone: conversion, padding, windows, packing, retrofit, decoding.
+    core: bool = True
 
     def classes(self) -> tuple[type, type]:
         """(config class, causal LM class) of transformers."""
@@ -91,10 +98,28 @@ class Family:
 
         return getattr(transformers, self.config_class), getattr(transformers, self.model_class)
 
+    def available(self) -> bool:
+        """Whether the installed transformers ships this family (the table spans the supported versions; a family
+        transformers added later is simply absent from an older one)."""
+        import transformers
+
+        return hasattr(transformers, self.model_class) and hasattr(transformers, self.config_class)
+
 
 def _family(**kw) -> Family:
     kw["tiny"] = MappingProxyType(kw["tiny"])
+    kw["config_keys"] = MappingProxyType(kw.get("config_keys", {}))
     return Family(**kw)
+
+
+def _enumerated(name: str, config_class: str, model_class: str, projections: str, attention: str = "-", *,
+                keys: Mapping[str, str | None] | None = None, **kw) -> Family:
+    """A family found exact by the enumeration of transformers' decoders (hf/family_survey.py), with the standard
+    tiny preset plus `tiny` keys."""
+    return _family(name=name, model_type=kw.pop("model_type", name), config_class=config_class,
+                   model_class=model_class, projections=projections, attention=attention,
+                   tiny=_tiny(head_dim=16, **_TINY_IDS, **kw.pop("tiny", {})), config_keys=keys or {}, core=False,
+                   **kw)
 
 
 _SEPARATE = "q_proj, k_proj, v_proj (no bias)"
@@ -151,6 +176,114 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
             projections=_SEPARATE, attention="attention_multiplier as the score scale",
             tiny=_tiny(attention_multiplier=0.1, embedding_multiplier=2.0, residual_multiplier=0.5,
                        logits_scaling=2.0)),
+    # Found exact by the enumeration of transformers' decoders (docs/families.md), each laid out as the families above.
+    _enumerated("afmoe", "AfmoeConfig", "AfmoeForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k norms",
+                "sliding window; MoE MLP", tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES, num_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=32)),
+    _enumerated("apertus", "ApertusConfig", "ApertusForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k norms",
+                keys={"head_dim": None}),
+    _enumerated("apertus1p5_text", "Apertus1p5TextConfig", "Apertus1p5TextForCausalLM",
+                "q_proj, k_proj, v_proj (no bias); q/k norms", keys={"head_dim": None}),
+    _enumerated("arcee", "ArceeConfig", "ArceeForCausalLM", "q_proj, k_proj, v_proj (no bias)"),
+    _enumerated("aria_text", "AriaTextConfig", "AriaTextForCausalLM", "q_proj, k_proj, v_proj (no bias)"),
+    _enumerated("beam", "BeamConfig", "BeamForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k norms",
+                "sliding window; MoE MLP", tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES, num_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=32), rope_per_layer_type=True),
+    _enumerated("cohere", "CohereConfig", "CohereForCausalLM", "q_proj, k_proj, v_proj (no bias)",
+                keys={"rms_norm_eps": "layer_norm_eps", "head_dim": None}),
+    _enumerated("cohere2", "Cohere2Config", "Cohere2ForCausalLM", "q_proj, k_proj, v_proj (no bias)",
+                "sliding window", tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES),
+                keys={"rms_norm_eps": "layer_norm_eps"}),
+    _enumerated("cohere2_moe", "Cohere2MoeConfig", "Cohere2MoeForCausalLM", "q_proj, k_proj, v_proj (no bias)",
+                "sliding window; MoE MLP", tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES, num_experts=4,
+                num_experts_per_tok=2)),
+    _enumerated("cwm", "CwmConfig", "CwmForCausalLM", "q_proj, k_proj, v_proj (no bias)", "sliding window",
+                tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES), configurable_bias=False),
+    _enumerated("ernie4_5", "Ernie4_5Config", "Ernie4_5ForCausalLM", "q_proj, k_proj, v_proj (no bias)",
+                configurable_bias=False),
+    _enumerated("ernie4_5_moe", "Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "q_proj, k_proj, v_proj (no bias)",
+                tiny=dict(moe_intermediate_size=32), configurable_bias=False, keys={"head_dim": None}),
+    _enumerated("exaone4", "Exaone4Config", "Exaone4ForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k norms",
+                "sliding window", tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES),
+                configurable_bias=False, keys={"head_dim": None}),
+    _enumerated("exaone_moe", "ExaoneMoeConfig", "ExaoneMoeForCausalLM",
+                "q_proj, k_proj, v_proj (no bias); q/k norms", "sliding window; MoE MLP",
+                tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=32), configurable_bias=False, keys={"head_dim": None}),
+    _enumerated("flex_olmo", "FlexOlmoConfig", "FlexOlmoForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k norms",
+                "MoE MLP", tiny=dict(num_experts=4, num_experts_per_tok=2), keys={"head_dim": None}),
+    _enumerated("flint", "FlintConfig", "FlintForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k norms",
+                "sliding window; learned sinks (s_aux); MoE MLP", tiny=dict(sliding_window=4,
+                layer_types=_TWO_LAYER_TYPES, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32), native_sinks=True),
+    _enumerated("gemma4_unified_text", "Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM",
+                "q_proj, k_proj, v_proj (no bias); q/k norms", "sliding window",
+                tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES), rope_per_layer_type=True),
+    _enumerated("glm", "GlmConfig", "GlmForCausalLM", "q_proj, k_proj, v_proj with biases"),
+    _enumerated("glm4", "Glm4Config", "Glm4ForCausalLM", "q_proj, k_proj, v_proj with biases"),
+    _enumerated("glm4_moe", "Glm4MoeConfig", "Glm4MoeForCausalLM", "q_proj, k_proj, v_proj (no bias)", "MoE MLP",
+                tiny=dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+                keys={"head_dim": None}),
+    _enumerated("granite_swa", "GraniteSWAConfig", "GraniteSWAForCausalLM", "q_proj, k_proj, v_proj (no bias)",
+                "sliding window; learned sinks (s_aux)", tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES),
+                native_sinks=True, keys={"head_dim": None}),
+    _enumerated("granitemoe", "GraniteMoeConfig", "GraniteMoeForCausalLM", "q_proj, k_proj, v_proj (no bias)",
+                "MoE MLP", tiny=dict(num_local_experts=4, num_experts_per_tok=2), keys={"head_dim": None}),
+    _enumerated("granitemoe_swa", "GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM",
+                "q_proj, k_proj, v_proj (no bias)", "sliding window; learned sinks (s_aux); MoE MLP",
+                tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES, num_local_experts=4,
+                num_experts_per_tok=2), native_sinks=True, keys={"head_dim": None}),
+    _enumerated("granitemoeshared", "GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM",
+                "q_proj, k_proj, v_proj (no bias)", "MoE MLP",
+                tiny=dict(num_local_experts=4, num_experts_per_tok=2), keys={"head_dim": None}),
+    _enumerated("helium", "HeliumConfig", "HeliumForCausalLM", "q_proj, k_proj, v_proj (no bias)"),
+    _enumerated("hunyuan_v1_dense", "HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM",
+                "q_proj, k_proj, v_proj (no bias)"),
+    _enumerated("hunyuan_v1_moe", "HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM",
+                "q_proj, k_proj, v_proj (no bias)", "MoE MLP", tiny=dict(num_experts=4)),
+    _enumerated("hy_v3", "HYV3Config", "HYV3ForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k norms", "MoE MLP",
+                tiny=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    _enumerated("hyperclovax", "HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", "q_proj, k_proj, v_proj (no bias)"),
+    _enumerated("jais2", "Jais2Config", "Jais2ForCausalLM", "q_proj, k_proj, v_proj with biases",
+                keys={"rms_norm_eps": "layer_norm_eps"}),
+    _enumerated("kolibri1", "Kolibri1Config", "Kolibri1ForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k norms",
+                "sliding window; MoE MLP", tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES,
+                num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32), configurable_bias=False,
+                keys={"intermediate_size": "moe_intermediate_size"}),
+    _enumerated("laguna", "LagunaConfig", "LagunaForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k norms",
+                "sliding window; MoE MLP", tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES, num_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+                rope_per_layer_type=True),
+    _enumerated("mellum", "MellumConfig", "MellumForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k norms",
+                "sliding window; MoE MLP", tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES,
+                num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), rope_per_layer_type=True),
+    _enumerated("minimax_m2", "MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+                "q_proj, k_proj, v_proj (no bias); q/k norms", "MoE MLP",
+                tiny=dict(num_local_experts=4, num_experts_per_tok=2), configurable_bias=False),
+    _enumerated("ministral", "MinistralConfig", "MinistralForCausalLM", "q_proj, k_proj, v_proj (no bias)",
+                "sliding window", tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES),
+                configurable_bias=False),
+    _enumerated("ministral3", "Ministral3Config", "Ministral3ForCausalLM", "q_proj, k_proj, v_proj (no bias)",
+                "sliding window", tiny=dict(sliding_window=4), configurable_bias=False),
+    _enumerated("nanochat", "NanoChatConfig", "NanoChatForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k norms",
+                keys={"head_dim": None}),
+    _enumerated("olmo", "OlmoConfig", "OlmoForCausalLM", "q_proj, k_proj, v_proj (no bias)",
+                keys={"rms_norm_eps": None, "head_dim": None}),
+    _enumerated("olmo3", "Olmo3Config", "Olmo3ForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k norms",
+                "sliding window", tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES),
+                rope_per_layer_type=True, keys={"head_dim": None}),
+    _enumerated("olmoe", "OlmoeConfig", "OlmoeForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k norms",
+                "MoE MLP", tiny=dict(num_experts=4, num_experts_per_tok=2), keys={"head_dim": None}),
+    _enumerated("seed_oss", "SeedOssConfig", "SeedOssForCausalLM", "q_proj, k_proj, v_proj with biases"),
+    _enumerated("solar_open", "SolarOpenConfig", "SolarOpenForCausalLM", "q_proj, k_proj, v_proj (no bias)",
+                "MoE MLP", tiny=dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+                keys={"intermediate_size": "moe_intermediate_size"}),
+    _enumerated("starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", "q_proj, k_proj, v_proj with biases",
+                "sliding window", tiny=dict(sliding_window=4), configurable_bias=False,
+                keys={"rms_norm_eps": "norm_epsilon", "head_dim": None}),
+    _enumerated("vaultgemma", "VaultGemmaConfig", "VaultGemmaForCausalLM", "q_proj, k_proj, v_proj (no bias)",
+                "sliding window; softcap", tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES)),
 )}
 
 
@@ -169,8 +302,9 @@ def family_of_config(config) -> Family:
     raise ValueError(f"model type {model_type!r} is not a supported family; supported: {sorted(FAMILIES)}")
 
 
-def family_names() -> list[str]:
-    return list(FAMILIES)
+def family_names(*, core: bool = False) -> list[str]:
+    """The table's families; core=True: only those the per-family test files run (Family.core)."""
+    return [name for name, f in FAMILIES.items() if f.core or not core]
 
 
 def refusal(family: str, variant: str) -> str | None:

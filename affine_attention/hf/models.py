@@ -196,8 +196,8 @@ def _converted_classes(family: families.Family) -> tuple[type, type]:
 
 
 # family -> the transformers class convert() accepts, and the (config, model) classes it turns it into
-_ORIGINALS = {name: f.classes()[1] for name, f in families.FAMILIES.items()}
-_CLASSES = {name: _converted_classes(f) for name, f in families.FAMILIES.items()}
+_ORIGINALS = {name: f.classes()[1] for name, f in families.FAMILIES.items() if f.available()}
+_CLASSES = {name: _converted_classes(families.FAMILIES[name]) for name in _ORIGINALS}
 
 
 def supported_families() -> list[str]:

@@ -33,8 +33,31 @@ def hf_config(mc: ModelConfig, *, eos_token_id: int | None = None, pad_token_id:
     elif mc.attention_bias:
         raise ValueError(f"model.attention_bias = true: the {family.name} architecture fixes its projection biases "
                          f"({family.projections}); remove the key")
+    _rename_keys(kwargs, family, mc)
     kwargs.update(mc.extra)
     return cls(**kwargs)
+
+
+# The [model] fields behind each config key a family may name differently (families.Family.config_keys).
+_FIELDS_OF_KEY = {"rms_norm_eps": ("rms_norm_eps",), "intermediate_size": ("intermediate_size",),
+                  "head_dim": ("head_dim",), "initializer_range": ("initializer_range",),
+                  "rope_parameters": ("rope_theta", "rope_scaling")}
+
+
+def _rename_keys(kwargs: dict, family, mc: ModelConfig) -> None:
+    """Give each value the family's own config key (e.g. Cohere's `layer_norm_eps`): a config class takes an unknown
+    key without a word, so `rms_norm_eps` would be dropped silently. A family without the setting at all refuses a
+    [model] value other than the default, naming the key."""
+    defaults = ModelConfig()
+    for key, target in family.config_keys.items():
+        value = kwargs.pop(key)
+        if target is not None:
+            kwargs[target] = value
+            continue
+        given = [name for name in _FIELDS_OF_KEY[key] if getattr(mc, name) != getattr(defaults, name)]
+        if given:
+            raise ValueError(f"model.{given[0]} is set, but the {family.name} architecture has no `{key}` setting "
+                             f"(its config class {family.config_class} fixes it); remove the key")
 
 
 def build_base(mc: ModelConfig, seed: int, *, meta: bool = False, eos_token_id: int | None = None,

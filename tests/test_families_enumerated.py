@@ -1,0 +1,212 @@
+"""Every decoder family transformers ships, enumerated from transformers itself (hf/family_survey.py): each family of
+the table exact under conversion (left and right padding, sliding windows, packed documents, the retrofit, cached
+decoding), every other candidate refused with its recorded reason, and every reason shown true by forcing a family of
+it through the seam. docs/families.md and `affine-attention families --all` are generated from the same records."""
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from test_hf_common import VOCAB  # noqa: F401  (skips without transformers, registers the model types)
+
+import affine_attention
+from affine_attention.hf import family_survey as survey
+from affine_attention.hf.families import FAMILIES, family_names
+from affine_attention.hf.families_refused import ABSENT_IN_LOWEST, ALIASES, LOWEST, REFUSED
+from affine_attention.hf.family_docs import families_markdown
+from affine_attention.variants import get_variant, variant_names
+
+CANDIDATES = {c.model_type: c for c in survey.candidates()}
+TABLE = {f.model_type: f for f in FAMILIES.values()}
+# The families the per-family test files (tests/test_hf_*.py) already check in depth run here only in the full cross.
+EXACT = [pytest.param(t, id=t, marks=() if not f.core else (pytest.mark.exhaustive,)) for t, f in TABLE.items()]
+EXACT += [pytest.param(t, id=t) for t in sorted(ALIASES)]
+
+
+@functools.lru_cache(maxsize=None)
+def _verdict(model_type: str) -> survey.Verdict:
+    """One check per family and test process (several tests read the same verdict)."""
+    return survey.check(_candidate(model_type))
+
+
+def _candidate(model_type: str) -> survey.Candidate:
+    if model_type not in CANDIDATES:
+        pytest.skip(f"transformers {transformers.__version__} does not ship {model_type!r} (reported, not an error)")
+    return CANDIDATES[model_type]
+
+
+def test_the_candidates_come_from_transformers_and_every_one_is_recorded():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    assert set(CANDIDATES) <= set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    # Mamba runs its own selective-scan code and no attention function: not a candidate.
+    assert "llama" in CANDIDATES and "mamba" in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and "mamba" not in CANDIDATES
+    recorded = set(TABLE) | set(ALIASES) | set(REFUSED)
+    assert not set(TABLE) & set(REFUSED) and not set(ALIASES) & (set(TABLE) | set(REFUSED))
+    unrecorded = sorted(set(CANDIDATES) - recorded)
+    assert not unrecorded, (f"transformers {transformers.__version__} ships candidate families with no verdict: "
+                            f"{unrecorded}; run `affine-attention families --survey` and record them")
+    absent = set(recorded) - set(CANDIDATES)
+    if transformers.__version__.startswith(LOWEST):
+        assert absent == set(ABSENT_IN_LOWEST)
+    for model_type in absent:  # a family of a newer transformers: its classes are simply not there
+        assert model_type not in TABLE or not TABLE[model_type].available()
+
+
+@pytest.mark.parametrize("model_type", EXACT)
+def test_every_table_family_converts_exactly(model_type):
+    verdict = survey.check(_candidate(model_type))
+    assert verdict.exact, f"{model_type}: {verdict.reason}: {verdict.detail} {verdict.deltas}"
+    assert set(verdict.deltas) == set(survey.CHECKS) | {"packed_eager"}
+
+
+def test_an_alias_converts_saves_and_loads_as_its_family(tmp_path):
+    alias = sorted(ALIASES)[0]
+    model = survey.tiny_model(_candidate(alias))
+    ids = torch.randint(3, 128, (2, 9))
+    with torch.no_grad():
+        want = model(ids).logits
+    affine_attention.convert(model, "softmax")
+    assert model.config.model_type == f"affine_{ALIASES[alias]}"
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_every_other_candidate_is_refused_for_its_recorded_reason(model_type):
+    verdict = _verdict(model_type)
+    assert verdict.reason == REFUSED[model_type][0], f"{model_type}: {verdict.reason}: {verdict.detail}"
+
+
+def test_convert_names_the_family_and_its_reason():
+    model = survey.tiny_model(_candidate("nemotron"))
+    with pytest.raises(ValueError, match=r"nemotron.*drops the attention \*\*kwargs"):
+        affine_attention.convert(model, "affine")
+
+
+# --- every reason is true: what breaks when a family of it is converted anyway -------------------------------------
+# (model type, config overrides where its config takes other size keys, what breaks)
+FORCED = {
+    "encoder_decoder": ("bart", dict(d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128,
+                                     encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=128,
+                                     vocab_size=128, max_position_embeddings=64),
+                        "BartDecoderWrapper' object has no attribute 'layers'"),
+    "cross_attention": ("bert", dict(vocab_size=128), "BertLMHeadModel' object has no attribute 'model'"),
+    # queries and keys carry a RoPE part the values lack: the seam's one head size does not describe them
+    "latent_attention": ("deepseek_v3", {}, "must match the size of tensor"),
+    "linear_or_state_space": ("qwen3_next", {}, "has no attribute 'self_attn'"),
+    "layout": ("phi", {}, "has no attribute 'o_proj'"),
+    "seam": ("minimax_m3_vl_text", {}, r"passes \['block_indices'\]"),
+}
+
+
+@pytest.mark.parametrize("reason", sorted(FORCED))
+def test_a_structural_refusal_is_true_forced_through_the_seam_it_breaks(reason):
+    model_type, overrides, breaks = FORCED[reason]
+    assert REFUSED[model_type][0] == reason
+    verdict = survey.check(_candidate(model_type), force=True, **overrides)
+    assert not verdict.exact and verdict.reason == "seam", (verdict.reason, verdict.detail, verdict.deltas)
+    assert re.search(breaks, verdict.detail), verdict.detail
+
+
+def test_a_decoder_that_drops_kwargs_loses_packed_documents_and_only_them():
+    model_type = "nemotron"
+    assert REFUSED[model_type][0] == "drops_kwargs"
+    model_class = getattr(transformers, _candidate(model_type).model_class)
+    layer = getattr(sys.modules[model_class.__module__], model_class.__name__.replace("ForCausalLM", "DecoderLayer"))
+    call = inspect.getsource(layer.forward).split("self.self_attn(")[1].split(")")[0]
+    assert "**kwargs" not in call  # the attention call names its arguments and forwards nothing else
+    deltas = _verdict(model_type).deltas
+    assert deltas["packed"] > 0.1 and deltas["packed_eager"] <= survey.TOL  # documents attend to each other
+    assert all(deltas[k] <= survey.TOL for k in ("left", "right", "retrofit", "cache"))
+
+
+def test_a_norm_before_the_output_projection_breaks_the_retrofit():
+    model_type = "bitnet"
+    assert REFUSED[model_type][0] == "not_exact"
+    base = survey.tiny_model(_candidate(model_type))
+    assert hasattr(base.model.layers[0].self_attn, "attn_sub_norm")  # RMSNorm undoes the folded 1 / c in o_proj
+    deltas = _verdict(model_type).deltas
+    assert deltas["retrofit"] > 0.1 and all(deltas[k] <= survey.TOL for k in ("left", "right", "cache"))
+
+
+# --- training from scratch: each family's own config keys ----------------------------------------------------------
+@pytest.mark.parametrize("family", [f for f in family_names() if FAMILIES[f].available()])
+def test_train_writes_every_value_under_the_familys_own_config_key(family):
+    from affine_attention.train.config import ModelConfig
+    from affine_attention.train.model import hf_config
+
+    f = FAMILIES[family]
+    defaults = f.classes()[0]().to_dict()
+    eps_key = f.config_keys.get("rms_norm_eps", "rms_norm_eps")
+    eps = {} if eps_key is None else {"rms_norm_eps": 1e-3}
+    config = hf_config(ModelConfig(arch=family, intermediate_size=40, **eps), eos_token_id=2, pad_token_id=0)
+    written = {k for k, v in config.to_dict().items() if k not in defaults}
+    # head_dim: hidden_size // num_heads, what a config without the key computes itself
+    assert not written - {"head_dim"}, f"{family}: keys its config class does not know: {sorted(written)}"
+    assert getattr(config, f.config_keys.get("intermediate_size", "intermediate_size")) == 40
+    if eps_key is not None:
+        assert getattr(config, eps_key) == 1e-3
+    for key, target in f.config_keys.items():
+        assert target is None or target in defaults, f"{family}: {target} is not a key of {f.config_class}"
+
+
+def test_a_family_without_the_setting_refuses_it_and_a_renamed_key_would_be_lost():
+    from affine_attention.train.config import ModelConfig
+    from affine_attention.train.model import hf_config
+
+    renamed = [f for f in FAMILIES.values() if f.available() and f.config_keys.get("rms_norm_eps")]
+    f = renamed[0]
+    config_cls = f.classes()[0]
+    # What the key map prevents: the family's config class takes `rms_norm_eps` without a word and ignores it.
+    assert getattr(config_cls(rms_norm_eps=1e-3), f.config_keys["rms_norm_eps"]) != 1e-3
+    missing = [f for f in FAMILIES.values() if f.available() and "rms_norm_eps" in f.config_keys
+               and f.config_keys["rms_norm_eps"] is None]
+    with pytest.raises(ValueError, match=f"the {missing[0].name} architecture has no `rms_norm_eps` setting"):
+        hf_config(ModelConfig(arch=missing[0].name, rms_norm_eps=1e-3), eos_token_id=2, pad_token_id=0)
+
+
+# --- variants pairwise over the enumerated families ----------------------------------------------------------------
+PRESERVABLE = [v for v in variant_names() if v != "off_by_one"]
+ENUMERATED = [f for f in family_names() if not FAMILIES[f].core]
+
+
+def _pairs():
+    """Each preservable variant on three enumerated families (rotating), the rest of the cross `exhaustive`."""
+    chosen, i = set(), 0
+    for v in PRESERVABLE:
+        picked = 0
+        while picked < 3:
+            f = ENUMERATED[i % len(ENUMERATED)]
+            i += 1
+            if not (FAMILIES[f].native_sinks and get_variant(v).refuses_model_sinks):
+                chosen.add((f, v))
+                picked += 1
+    return [pytest.param(f, v, id=f"{f}-{v}", marks=() if (f, v) in chosen else (pytest.mark.exhaustive,))
+            for f in ENUMERATED for v in PRESERVABLE
+            if not (FAMILIES[f].native_sinks and get_variant(v).refuses_model_sinks)]
+
+
+@pytest.mark.parametrize("family, variant", _pairs())
+def test_every_variant_retrofits_enumerated_families_exactly(family, variant):
+    f = FAMILIES[family]
+    candidate = _candidate(f.model_type)
+    base = survey.tiny_model(candidate)
+    base.set_attn_implementation("eager")
+    model = survey.converted(base, candidate, variant, function_preserving=True)
+    ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, base(ids).logits, rtol=0, atol=survey.TOL)
+
+
+def test_the_docs_show_the_current_records():
+    text = (Path(__file__).parents[1] / "docs" / "families.md").read_text()
+    assert text == families_markdown(), "regenerate it: affine-attention families --all > docs/families.md"
