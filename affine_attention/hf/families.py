@@ -275,10 +275,16 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                 rope_per_layer_type=True, keys={"head_dim": None}),
     _enumerated("olmoe", "OlmoeConfig", "OlmoeForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k norms",
                 "MoE MLP", tiny=dict(num_experts=4, num_experts_per_tok=2), keys={"head_dim": None}),
+    # Their decoder layers call self_attn without **kwargs: exact because the seam's context rides in attention_mask.
+    _enumerated("nemotron", "NemotronConfig", "NemotronForCausalLM", "q_proj, k_proj, v_proj (no bias)",
+                "partial RoPE", keys={"rms_norm_eps": "norm_eps"}),
     _enumerated("seed_oss", "SeedOssConfig", "SeedOssForCausalLM", "q_proj, k_proj, v_proj with biases"),
     _enumerated("solar_open", "SolarOpenConfig", "SolarOpenForCausalLM", "q_proj, k_proj, v_proj (no bias)",
                 "MoE MLP", tiny=dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
                 keys={"intermediate_size": "moe_intermediate_size"}),
+    _enumerated("stablelm", "StableLmConfig", "StableLmForCausalLM", "q_proj, k_proj, v_proj (use_qkv_bias adds "
+                "biases)", "partial RoPE", keys={"rms_norm_eps": "layer_norm_eps", "head_dim": None,
+                                                  "attention_bias": "use_qkv_bias"}),
     _enumerated("starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", "q_proj, k_proj, v_proj with biases",
                 "sliding window", tiny=dict(sliding_window=4), configurable_bias=False,
                 keys={"rms_norm_eps": "norm_epsilon", "head_dim": None}),

@@ -19,8 +19,6 @@ REASONS = {
                              "converting only its softmax layers is not checked exact, so the whole family is refused",
     "layout": "its attention is not laid out as model.layers[i].self_attn with an o_proj output projection, which "
               "the conversion and the retrofit address",
-    "drops_kwargs": "its decoder drops the attention **kwargs, so the per-forward context (packed documents, the "
-                    "mask memo) never reaches the attention function: a packed batch would attend across documents",
     "seam": "its attention function receives something the seam refuses or cannot honour",
     "unchecked": "no tiny model could be built from its config class with the standard size keys, so it was not "
                  "checked and is not converted",
@@ -122,7 +120,6 @@ REFUSED = {
     "moss_transcribe_diarize": ("multimodal", "MossTranscribeDiarizeConfig (audio_config, text_config)"),
     "musicgen": ("encoder_decoder", "MusicgenConfig (audio_encoder, decoder, text_encoder)"),
     "musicgen_melody": ("encoder_decoder", "MusicgenMelodyConfig (audio_encoder, decoder, text_encoder)"),
-    "nemotron": ("drops_kwargs", "packed documents differ by 0.72"),
     "nemotron_h": ("linear_or_state_space", "NemotronHMamba2Mixer"),
     "olmo_hybrid": ("linear_or_state_space", "OlmoHybridGatedDeltaNet, OlmoHybridLinearAttentionDecoderLayer"),
     "opt": ("layout", "OPTForCausalLM has no model.layers"),
@@ -147,7 +144,6 @@ REFUSED = {
     "roberta-prelayernorm": ("cross_attention", "RobertaPreLayerNormModel.encoder"),
     "roc_bert": ("cross_attention", "RoCBertModel.encoder"),
     "sarvam_mla": ("latent_attention", "config.kv_lora_rank"),
-    "stablelm": ("drops_kwargs", "packed documents differ by 0.5"),
     "whisper": ("encoder_decoder", "WhisperConfig (is_encoder_decoder)"),
     "xlm-roberta": ("cross_attention", "XLMRobertaModel.encoder"),
     "xlm-roberta-xl": ("cross_attention", "XLMRobertaXLModel.encoder"),
