@@ -77,11 +77,9 @@ def mask_mod(mask: MaskSpec) -> Callable:
     (query i stands at position i + S - T). Reads the key padding (B|1, S), the document ids (B|1, S) and a dense
     mask (B|1, Hq|1, T|1, S|1) by index, so nothing larger than what the mask holds is ever built."""
     off, window, causal = mask.offset, mask.window, mask.causal
-    keys = None if mask.keys is None else mask.keys[:, 0, 0, :]
-    docs, dense = mask.documents, mask.dense
-
-    def one(t: Tensor | None, dim: int, idx):
-        return idx if t.shape[dim] > 1 else 0  # a broadcast dimension is read at 0
+    keys = None if mask.keys is None else _reader(mask.keys[:, 0, 0, :])
+    docs = None if mask.documents is None else _reader(mask.documents)
+    dense = None if mask.dense is None else _reader(mask.dense)
 
     def visible(b, h, q_idx, kv_idx):
         pos = q_idx + off
@@ -89,14 +87,30 @@ def mask_mod(mask: MaskSpec) -> Callable:
         if window is not None:
             ok = ok & (kv_idx > pos - window)
         if docs is not None:
-            row = docs[one(docs, 0, b)]
-            ok = ok & (row[pos] == row[kv_idx])
+            ok = ok & (docs(b, pos) == docs(b, kv_idx))
         if keys is not None:
-            ok = ok & keys[one(keys, 0, b)][kv_idx]
+            ok = ok & keys(b, kv_idx)
         if dense is not None:
-            ok = ok & dense[one(dense, 0, b), one(dense, 1, h), one(dense, 2, q_idx), one(dense, 3, kv_idx)]
+            ok = ok & dense(b, h, q_idx, kv_idx)
         return ok
     return visible
+
+
+def _reader(t: Tensor) -> Callable:
+    """t: (n_1|1, ..., n_k|1) -> f(i_1, ..., i_k) = t[i_1, ..., i_k], a broadcast dimension read at 0. The broadcast
+    dimensions are selected away first and the rest indexed one at a time: under vmap inside dynamo, an int index
+    after a tensor one fails."""
+    keep = [d for d in range(t.dim()) if t.shape[d] > 1]
+    for d in reversed(range(t.dim())):
+        if t.shape[d] == 1:
+            t = t.select(d, 0)
+
+    def read(*idx):
+        x = t
+        for d in keep:
+            x = x[idx[d]]
+        return x
+    return read
 
 
 def _block_mask_shape(mask: MaskSpec, B: int, Hq: int) -> tuple[int, int]:
