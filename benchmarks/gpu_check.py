@@ -45,7 +45,8 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from gpu_check_worker import STARTUP_S, Worker, run_group, worker_main  # noqa: E402  (stdlib only at import time)
+from gpu_check_models import CASES as MODEL_CASES, MODEL_COLUMNS  # noqa: E402  (stdlib only at import time)
+from gpu_check_worker import STARTUP_S, Worker, run_group, worker_main  # noqa: E402
 
 COLUMNS = ["T", "B", "Hq/Hkv", "mask", "variant", "backend", "sdpa kernel", "fwd ms", "fwd / softmax", "fwd+bwd ms",
            "fwd+bwd / softmax", "peak MiB fwd+bwd", "err out", "err dq", "err dk", "err dv", "err dsinks/dalpha"]
@@ -152,11 +153,12 @@ class Report:
         self.env, self.steps, self.notes, self.status = "environment: not known yet", [], [], ""
         self.rows: dict[str, list[list[str]]] = {gid: [] for gid in order}
         self.numerics: list[list[str]] = []
+        self.models: list[list[str]] = []
 
     def add(self, table: str, gid: str, cells: dict) -> str:
-        cols = COLUMNS if table == "main" else NUM_COLUMNS
+        cols = {"main": COLUMNS, "models": MODEL_COLUMNS}.get(table, NUM_COLUMNS)
         row = [str(cells.get(c, "—")).replace("|", "/").replace("\n", " ") for c in cols]
-        (self.rows[gid] if table == "main" else self.numerics).append(row)
+        (self.rows[gid] if table == "main" else self.models if table == "models" else self.numerics).append(row)
         self.write()
         return "| " + " | ".join(row) + " |"
 
@@ -169,6 +171,11 @@ class Report:
                     "eager; the last two columns: max rel over the tensors against the float64 eager epilogue):", "",
                     "| " + " | ".join(NUM_COLUMNS) + " |", "|" + "---|" * len(NUM_COLUMNS)]
             out += ["| " + " | ".join(r) + " |" for r in self.numerics]
+        if self.models:
+            out += ["", "Training steps of converted models (loss forward + backward) against the unconverted model run "
+                    "the same way (eager, or torch.compile with fullgraph); backends: what served their attention:", "",
+                    "| " + " | ".join(MODEL_COLUMNS) + " |", "|" + "---|" * len(MODEL_COLUMNS)]
+            out += ["| " + " | ".join(r) + " |" for r in self.models]
         return "\n".join(out + [""] + self.notes + ["", self.status, ""])
 
     def write(self) -> None:
@@ -191,6 +198,9 @@ def plan(args) -> list[dict]:
                        "variant": "all"}
                 jobs.append({"kind": "config", "id": f"T{T}-{Hq}x{Hkv}-{mask}", "table": "main", "key": key,
                              "T": T, "Hq": Hq, "Hkv": Hkv, "mask": mask})
+    for family, case in MODEL_CASES if not args.quick or args.only else ():  # the dry run's only on --only (minutes)
+        jobs.append({"kind": "models", "id": f"model-{family}", "table": "models", "family": family, "case": case,
+                     "key": {"model": family, "batch": case}})
     T, (Hq, Hkv) = args.lengths[0], args.heads[0]
     jobs.append({"kind": "epilogue", "id": "epilogue", "table": "main", "T": T, "Hq": Hq, "Hkv": Hkv,
                  "key": {"T": str(T), "B": str(max(1, args.tokens // T)), "Hq/Hkv": f"{Hq}/{Hkv}", "mask": "causal",
@@ -209,7 +219,7 @@ def parse_args(argv=None):
     p.add_argument("--tests-timeout-s", type=float, default=None, help="default: min(240, budget / 2)")
     p.add_argument("--out", default=None, help="the report (markdown); default: gpu_check.md in a new temp folder")
     p.add_argument("--only", nargs="*", default=None, help="run only the groups whose id matches one of these fnmatch "
-                   "patterns (ids: epilogue-numerics, T1024-32x8-causal, ..., epilogue)")
+                   "patterns (ids: epilogue-numerics, T1024-32x8-causal, ..., model-gemma2, epilogue)")
     p.add_argument("--budget-s", type=float, default=420.0, help="start no group after this many seconds")
     p.add_argument("--deadline-s", type=float, default=500.0, help="kill a group still running at this time")
     p.add_argument("--group-timeout-s", type=float, default=150.0, help="kill a group running longer than this")
@@ -240,6 +250,8 @@ def failure_cells(job: dict, label: str, text: str) -> dict:
     """The row that stands for a failed (part of a) group: its key, `label` as variant, `text` in the first cell."""
     if job["table"] == "main":
         return dict(job["key"], variant=label, backend=text)
+    if job["table"] == "models":
+        return dict(job["key"], variant=label, backends=text)
     return dict(job["key"], dtype=label, out=text)
 
 
@@ -299,7 +311,7 @@ def orchestrate(args, report: Report, log: Log, tracebacks: Tracebacks, start: f
                 f = rec["failed"]
                 short = f"{f['type']}: {f['message']}".replace("\n", " ")[:160]
                 ref = tracebacks.add(f"{job['id']} {json.dumps(f['key'])}", f["traceback"])
-                cell = "backend" if f["table"] == "main" else "out"
+                cell = {"main": "backend", "models": "backends"}.get(f["table"], "out")
                 log(report.add(f["table"], job["id"], dict(f["key"], **{cell: f"failed: {short} ({ref})"})))
             elif "fatal" in rec:
                 log(report.add(job["table"], job["id"], failure_cells(job, "(rest of group)", rec["fatal"])))

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.environ.get("GPU_CHECK_SCRIPT", os.path.join(ROOT, "benchmarks", "gpu_check.py"))
 
@@ -183,3 +185,21 @@ def test_gpu_check_times_out_hung_steps(tmp_path):
     assert "in inject" in stack and "in epilogue_numerics" in stack, entry  # where it hung, from faulthandler
     events = (tmp_path / "report.md.log").read_text()
     assert "group epilogue-numerics: timeout after" in events  # the event log says it too
+
+
+@pytest.mark.slow
+def test_gpu_check_model_rows_dry_run(tmp_path):
+    """The model training-step rows (--only model-*): eager and compiled (fullgraph) steps of every variant against
+    the unconverted model, each row naming the backends that served it; FA3 "not run (no CUDA)" on the CPU."""
+    code, out, log = run(tmp_path, "--tests", "--only", "model-mistral", "model-llama")
+    assert code == 0, log[-3000:]
+    text = out.read_text()
+    assert "failed" not in text, text
+    _, rows = table(text, "model")
+    assert {(r["model"], r["mode"], r["variant"]) for r in rows} == {
+        (m, mode, v) for m in ("mistral", "llama") for mode in ("eager", "compiled")
+        for v in ("unconverted", "softmax", "sink", "affine")}
+    for r in rows:
+        assert float(r["step ms"]) > 0 and float(r["step / unconverted"]) > 0, r
+        assert r["backends"] == ("transformers" if r["variant"] == "unconverted" else "cpu_flash"), r
+        assert r["FA3 step / unconverted"] == "not run (no CUDA)", r
