@@ -21,6 +21,8 @@ from .base import Backend, Call, register
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Triton's tl.dot needs 16 rows at least; above 256 the kernels' tiles do not fit shared memory.
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+# Compilations of flex per process (dynamo's default for one function is 8).
+RECOMPILE_LIMIT = 64
 
 
 def _load_api():
@@ -158,8 +160,9 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, bm, mod, scale: float, with_lse: bool
     if torch.compiler.is_compiling():  # inside the caller's graph, which is compiled as a whole
         out = flex(q, k, v, **kw)
     else:
-        # A recompile past dynamo's limit would silently run flex eagerly: make it an error instead.
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        # Every (dtype, mask structure, score rule) is its own kernel, so flex gets a wider recompile limit than
+        # dynamo's 8; past it dynamo would silently run flex eagerly (T x S): an error instead.
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
             out = _compiled()(q, k, v, **kw)
     return (out[0], out[1].lse) if with_lse else (out, None)
 
