@@ -61,7 +61,8 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     assert code == 0, log[-3000:]
     assert log.strip().splitlines()[-1] == f"report: {out}"  # the path printed last
     text = out.read_text()
-    assert "CUDA tests (`pytest -m cuda tests/test_backends_cuda.py`, exit 0)" in text and "skipped" in text
+    assert ("CUDA tests (`pytest -m cuda tests/test_backends_cuda.py tests/test_backends_flex.py`, exit 0)" in text
+            and "skipped" in text)
     assert "deselected" in (tmp_path / "report.md.pytest.txt").read_text()  # pytest's own output, kept
     assert re.search(r"^total \d+ s$", text, re.M) and "in progress" not in text and "failed" not in text
     assert not (tmp_path / "report.md.tracebacks.txt").exists()

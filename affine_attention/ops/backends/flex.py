@@ -99,19 +99,20 @@ def mask_mod(mask: MaskSpec) -> Callable:
 
 
 def _reader(t: Tensor) -> Callable:
-    """t: (n_1|1, ..., n_k|1) -> f(i_1, ..., i_k) = t[i_1, ..., i_k], a broadcast dimension read at 0. The broadcast
-    dimensions are selected away first and the rest indexed one at a time: under vmap inside dynamo, an int index
-    after a tensor one fails."""
-    keep = [d for d in range(t.dim()) if t.shape[d] > 1]
+    """t: (n_1|1, ..., n_k|1) -> f(i_1, ..., i_k) = t[i_1, ..., i_k], a broadcast dimension read at 0.
+
+    Flex evaluates mask_mod on whole blocks, past the last query and key (T, S rounded up to its block size): an
+    index is clamped into range, never read out of bounds (on CPU that corrupted the heap); the kernel itself hides
+    the positions past T and S. The broadcast dimensions are selected away first and the rest read by one advanced
+    index of tensors only: under vmap inside dynamo an int index beside tensor ones fails, and chained indexing
+    (t[i][j]) compiles to a CPU kernel that corrupts the heap (torch 2.13)."""
+    keep = [(d, t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1]
     for d in reversed(range(t.dim())):
         if t.shape[d] == 1:
             t = t.select(d, 0)
 
     def read(*idx):
-        x = t
-        for d in keep:
-            x = x[idx[d]]
-        return x
+        return t[tuple(idx[d].clamp(0, n - 1) for d, n in keep)] if keep else t
     return read
 
 
