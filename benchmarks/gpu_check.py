@@ -27,6 +27,11 @@ and timed against that backend's plain softmax on the same inputs; "softmax (aut
 on the same call. "backend" is the dispatcher's choice; "sdpa kernel" what SDPA ran (profiled) on rows the sdpa
 backend serves. Errors: max |bf16 - float64| / max |float64| over the first two batch rows, at T <= 1088 only
 (the float64 reference materialises T x T weights). Epilogue table: B = 4, Hq/Hkv = 32/8, T = 4096.
+Model table (benchmarks/gpu_check_models.py; groups model-<family>-<eager|compiled>; on the CPU dry run only when
+named with --only; on a GPU a second run with `--only 'model-*'` gives them the whole budget): training steps of
+converted Gemma 2 (softcap) and Mistral (window) with right padding and Llama on packed documents, eager and
+compiled (fullgraph), per variant against the unconverted model run the same way, the backends that served them,
+and the FA3 switch as an extra column.
 """
 from __future__ import annotations
 
@@ -172,8 +177,9 @@ class Report:
                     "| " + " | ".join(NUM_COLUMNS) + " |", "|" + "---|" * len(NUM_COLUMNS)]
             out += ["| " + " | ".join(r) + " |" for r in self.numerics]
         if self.models:
-            out += ["", "Training steps of converted models (loss forward + backward) against the unconverted model run "
-                    "the same way (eager, or torch.compile with fullgraph); backends: what served their attention:", "",
+            out += ["", "Training steps of converted models (loss forward + backward) against the unconverted model "
+                    "run the same way (eager, or torch.compile with fullgraph); backends: what served their attention:",
+                    "",
                     "| " + " | ".join(MODEL_COLUMNS) + " |", "|" + "---|" * len(MODEL_COLUMNS)]
             out += ["| " + " | ".join(r) + " |" for r in self.models]
         return "\n".join(out + [""] + self.notes + ["", self.status, ""])
@@ -199,8 +205,9 @@ def plan(args) -> list[dict]:
                 jobs.append({"kind": "config", "id": f"T{T}-{Hq}x{Hkv}-{mask}", "table": "main", "key": key,
                              "T": T, "Hq": Hq, "Hkv": Hkv, "mask": mask})
     for family, case in MODEL_CASES if not args.quick or args.only else ():  # the dry run's only on --only (minutes)
-        jobs.append({"kind": "models", "id": f"model-{family}", "table": "models", "family": family, "case": case,
-                     "key": {"model": family, "batch": case}})
+        for mode in ("eager", "compiled"):
+            jobs.append({"kind": "models", "id": f"model-{family}-{mode}", "table": "models", "family": family,
+                         "case": case, "mode": mode, "key": {"model": family, "batch": case, "mode": mode}})
     T, (Hq, Hkv) = args.lengths[0], args.heads[0]
     jobs.append({"kind": "epilogue", "id": "epilogue", "table": "main", "T": T, "Hq": Hq, "Hkv": Hkv,
                  "key": {"T": str(T), "B": str(max(1, args.tokens // T)), "Hq/Hkv": f"{Hq}/{Hkv}", "mask": "causal",
@@ -219,7 +226,7 @@ def parse_args(argv=None):
     p.add_argument("--tests-timeout-s", type=float, default=None, help="default: min(240, budget / 2)")
     p.add_argument("--out", default=None, help="the report (markdown); default: gpu_check.md in a new temp folder")
     p.add_argument("--only", nargs="*", default=None, help="run only the groups whose id matches one of these fnmatch "
-                   "patterns (ids: epilogue-numerics, T1024-32x8-causal, ..., model-gemma2, epilogue)")
+                   "patterns (ids: epilogue-numerics, T1024-32x8-causal, ..., model-gemma2-compiled, epilogue)")
     p.add_argument("--budget-s", type=float, default=420.0, help="start no group after this many seconds")
     p.add_argument("--deadline-s", type=float, default=500.0, help="kill a group still running at this time")
     p.add_argument("--group-timeout-s", type=float, default=150.0, help="kill a group running longer than this")

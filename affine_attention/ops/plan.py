@@ -110,7 +110,7 @@ class Row(NamedTuple):
 def dispatch_table(device_type: str = "cuda", dtype: torch.dtype = torch.bfloat16, compiled: bool = False,
                    cases: list[Case] | None = None) -> list[Row]:
     """Which backend serves each case, for calls that need no lse and for calls that do, as the automatic choice
-    decides it (backends.explain) for a training call (requires_grad) of (B, Hq/Hkv, T, S, D) = (2, 8/2, .., .., 128)."""
+    decides it (backends.explain) for a training call (requires_grad), B = 2, Hq/Hkv = 8/2, D = 128."""
     where = torch.device("meta" if compiled else "cpu")
     rows = []
     with _platform_assumed(device_type):
