@@ -85,7 +85,8 @@ def _add_backends(sub) -> None:
     """`backends` reads the variant registry (which variants ask for an lse), above ops/plan.py, which plans."""
     c = sub.add_parser("backends", help="which attention kernel serves each mask kind, and why the others refuse")
     c.add_argument("--device", default="cuda", help="device type to plan for (no such device needed)")
-    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"])
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"],
+                   help="dtype of the planned calls")
     c.add_argument("--compiled", action="store_true", help="as inside torch.compile (mask values unreadable)")
     c.set_defaults(func=_backends)
 

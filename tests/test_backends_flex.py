@@ -206,6 +206,24 @@ def test_converted_model_builds_one_block_mask_per_forward(monkeypatch, as_cuda)
     torch.testing.assert_close(logits[attn.bool()].double(), ref[attn.bool()], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
+def test_compiled_block_mask_builder_equals_eager():
+    """On CUDA the block mask is built by the compiled create_block_mask: the same BlockMask as the eager one (here on
+    CPU, for windows, documents and padding together, T not a multiple of the block size)."""
+    B, T = 2, 300
+    keys = torch.ones(B, 1, 1, T, dtype=torch.bool)
+    keys[0, ..., 250:] = False
+    keys[1, ..., :40] = False
+    docs = torch.zeros(B, T, dtype=torch.long)
+    docs[:, 100:] += 1
+    docs[:, 170:] += 1
+    mask = parse_mask(keys, True, B, 4, T, T, torch.device("cpu"), window=64, document_ids=docs)
+    eager = flex.build_block_mask(mask, B, 4, torch.device("cpu"))
+    compiled = flex._compiled_create()(flex.mask_mod(mask), B, 1, T, T, device=torch.device("cpu"))
+    pairs = [(a, b) for a, b in zip(eager.as_tuple(), compiled.as_tuple()) if torch.is_tensor(a)]
+    assert len(pairs) >= 4 and all(torch.equal(a, b) for a, b in pairs)
+
+
 def test_supports_and_options():
     """What flex refuses, in words; FLASH never chosen for an lse."""
     from affine_attention.ops.backends import Call

@@ -127,7 +127,9 @@ def build_block_mask(mask: MaskSpec, B: int, Hq: int, device: torch.device):
     """The BlockMask of `mask` (None where the mask hides nothing: flex then attends everywhere)."""
     if not mask.kinds:
         return None
-    create = _api()[1]
+    # Eager create_block_mask evaluates mask_mod on (B, H, T, S) index tensors; compiled (as torchtitan and
+    # transformers build theirs) it fuses that into the block reduction. Inside a graph it is compiled with it.
+    create = _compiled_create() if device.type == "cuda" and not torch.compiler.is_compiling() else _api()[1]
     Bm, Hm = _block_mask_shape(mask, B, Hq)
     return create(mask_mod(mask), Bm, Hm, mask.T, mask.S, device=device)
 
@@ -147,6 +149,16 @@ def _compiled() -> Callable:
     if not _COMPILED:
         _COMPILED.append(torch.compile(_api()[0], fullgraph=True))
     return _COMPILED[0]
+
+
+def _compiled_create() -> Callable:
+    """create_block_mask compiled once per process (not fullgraph: a graph break costs speed, never the result)."""
+    if not _CREATE:
+        _CREATE.append(torch.compile(_api()[1]))
+    return _CREATE[0]
+
+
+_CREATE: list[Callable] = []
 
 
 def kernel_options(with_lse: bool) -> dict | None:
