@@ -14,14 +14,18 @@ CASES = (("gemma2", "softcap + right padding"), ("mistral", "window + right padd
 VARIANTS = ("unconverted", "softmax", "sink", "affine")
 
 
-def _sizes(quick: bool) -> tuple[dict, int, int]:
+def _sizes(family: str, quick: bool) -> tuple[dict, int, int]:
     """(config overrides, B, T): the family's tiny shape on the CPU dry run, a 2-layer 1024-wide model on a GPU (its
-    compile time must fit a group's limit)."""
+    compile time must fit a group's limit; Gemma 2's tiny layer_types are one sliding and one full layer)."""
     if quick:
         return {}, 2, 24
-    return ({"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 2, "num_attention_heads": 16,
-             "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 32000, "max_position_embeddings": 4096,
-             "sliding_window": 512}, 4, 2048)
+    sizes = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 2, "num_attention_heads": 16,
+             "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 32000, "max_position_embeddings": 4096}
+    if family in ("gemma2", "mistral"):
+        sizes["sliding_window"] = 512
+    if family == "gemma2":
+        sizes["query_pre_attn_scalar"] = 64
+    return sizes, 4, 2048
 
 
 def _batch(case: str, vocab: int, B: int, T: int, device) -> dict:
@@ -77,7 +81,7 @@ def model_rows(args, rec, device, job: dict) -> None:
 
     family, case, modes = job["family"], job["case"], (job["mode"],)
     inject(args, job["id"], None, device)
-    overrides, B, T = _sizes(args.quick)
+    overrides, B, T = _sizes(family, args.quick)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     steps, served = {}, {}
     for mode in modes:
