@@ -19,7 +19,8 @@ from ..masks import MaskSpec
 from .base import Backend, Call, register
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Triton's tl.dot needs 16 rows at least; above 256 the kernels' tiles do not fit shared memory.
+# The head dims this backend takes (assumed from Triton's 16-wide dot tiles and the 256 flex's configs are tuned up
+# to; not checked on a GPU yet).
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 # Compilations of flex per process (dynamo's default for one function is 8).
 RECOMPILE_LIMIT = 64
@@ -35,7 +36,8 @@ def _load_api():
     if not hasattr(fa, "AuxRequest"):
         return (f"torch {torch.__version__}'s FlexAttention has no return_aux=AuxRequest(lse=True) (the lse the sink "
                 "differentiates); upgrade torch")
-    return fa.flex_attention, fa.create_block_mask, fa.AuxRequest, "BACKEND" in fa.FlexKernelOptions.__annotations__
+    options = getattr(getattr(fa, "FlexKernelOptions", None), "__annotations__", {})
+    return fa.flex_attention, fa.create_block_mask, fa.AuxRequest, "BACKEND" in options
 
 
 # Resolved once at import (a compiled graph then reads a constant, no cache wrapper to trace).
