@@ -167,7 +167,7 @@ def test_traces_forward_and_backward_with_fullgraph(op, name, as_cuda):
     assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
 
 
-def test_block_mask_built_once_per_mask_object(monkeypatch, as_cuda):
+def test_block_mask_built_once_per_mask_object(monkeypatch, dense_flex):
     """Every layer of a forward shares one MaskSpec: its block mask is built once for all of them; a new mask
     object (the next forward) builds its own."""
     builds = []
@@ -184,7 +184,7 @@ def test_block_mask_built_once_per_mask_object(monkeypatch, as_cuda):
     assert len(builds) == 2
 
 
-def test_converted_model_builds_one_block_mask_per_forward(monkeypatch, as_cuda):
+def test_converted_model_builds_one_block_mask_per_forward(monkeypatch, dense_flex):
     """A converted Mistral (sliding window) with right padding, every layer on flex: one block mask per forward for
     all its layers, and the logits of the float64 exact path."""
     from test_hf_common import tiny
