@@ -81,6 +81,29 @@ def _compare(args) -> int:
     return 0
 
 
+def _add_backends(sub) -> None:
+    """`backends` reads the variant registry (which variants ask for an lse), above ops/plan.py, which plans."""
+    c = sub.add_parser("backends", help="which attention kernel serves each mask kind, and why the others refuse")
+    c.add_argument("--device", default="cuda", help="device type to plan for (no such device needed)")
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"],
+                   help="dtype of the planned calls")
+    c.add_argument("--compiled", action="store_true", help="as inside torch.compile (mask values unreadable)")
+    c.set_defaults(func=_backends)
+
+
+def _backends(args) -> int:
+    import torch
+
+    from .ops.plan import dispatch_table, markdown
+    from .variants import REGISTRY
+
+    names = {lse: ", ".join(n for n, v in REGISTRY.items() if v.needs_lse == lse) for lse in (False, True)}
+    rows = dispatch_table(args.device, getattr(torch, args.dtype), args.compiled)
+    print(f"{args.device} {args.dtype}, {'compiled' if args.compiled else 'eager'} (training call, D = 128):\n")
+    print(markdown(rows, names[False], names[True]))
+    return 0
+
+
 OVERVIEW = """\
 Affine-Scaled Attention (Bae et al., ICML 2026): train, compare, evaluate and inspect attention variants
 (softmax, affine, sink, gated, ...) on transformers causal LMs. Offline by default: the tiny presets, the packaged
@@ -96,6 +119,7 @@ examples (one per command; `affine-attention COMMAND --help` for its options):
   affine-attention report runs/ablation
   affine-attention params --preset llama-3.2-1b --variant affine
   affine-attention families
+  affine-attention backends --device cuda --dtype bfloat16 --compiled
   affine-attention eval --model runs/affine/final --tasks fixtures --ppl heldout.txt
   affine-attention analyze --model smollm2 --sequences 2 --length 256 --out runs/analysis
 """
@@ -125,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_commands(sub)
         if name == "affine_attention.train.cli":
             _add_compare(sub)
+    _add_backends(sub)
     return parser
 
 

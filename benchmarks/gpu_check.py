@@ -27,6 +27,11 @@ and timed against that backend's plain softmax on the same inputs; "softmax (aut
 on the same call. "backend" is the dispatcher's choice; "sdpa kernel" what SDPA ran (profiled) on rows the sdpa
 backend serves. Errors: max |bf16 - float64| / max |float64| over the first two batch rows, at T <= 1088 only
 (the float64 reference materialises T x T weights). Epilogue table: B = 4, Hq/Hkv = 32/8, T = 4096.
+Model table (benchmarks/gpu_check_models.py; groups model-<family>-<eager|compiled>; on the CPU dry run only when
+named with --only; on a GPU a second run with `--only 'model-*'` gives them the whole budget): training steps of
+converted Gemma 2 (softcap) and Mistral (window) with right padding and Llama on packed documents, eager and
+compiled (fullgraph), per variant against the unconverted model run the same way, the backends that served them,
+and the FA3 switch as an extra column.
 """
 from __future__ import annotations
 
@@ -45,7 +50,8 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from gpu_check_worker import STARTUP_S, Worker, run_group, worker_main  # noqa: E402  (stdlib only at import time)
+from gpu_check_models import CASES as MODEL_CASES, MODEL_COLUMNS  # noqa: E402  (stdlib only at import time)
+from gpu_check_worker import STARTUP_S, Worker, run_group, worker_main  # noqa: E402
 
 COLUMNS = ["T", "B", "Hq/Hkv", "mask", "variant", "backend", "sdpa kernel", "fwd ms", "fwd / softmax", "fwd+bwd ms",
            "fwd+bwd / softmax", "peak MiB fwd+bwd", "err out", "err dq", "err dk", "err dv", "err dsinks/dalpha"]
@@ -152,11 +158,12 @@ class Report:
         self.env, self.steps, self.notes, self.status = "environment: not known yet", [], [], ""
         self.rows: dict[str, list[list[str]]] = {gid: [] for gid in order}
         self.numerics: list[list[str]] = []
+        self.models: list[list[str]] = []
 
     def add(self, table: str, gid: str, cells: dict) -> str:
-        cols = COLUMNS if table == "main" else NUM_COLUMNS
+        cols = {"main": COLUMNS, "models": MODEL_COLUMNS}.get(table, NUM_COLUMNS)
         row = [str(cells.get(c, "—")).replace("|", "/").replace("\n", " ") for c in cols]
-        (self.rows[gid] if table == "main" else self.numerics).append(row)
+        (self.rows[gid] if table == "main" else self.models if table == "models" else self.numerics).append(row)
         self.write()
         return "| " + " | ".join(row) + " |"
 
@@ -169,6 +176,12 @@ class Report:
                     "eager; the last two columns: max rel over the tensors against the float64 eager epilogue):", "",
                     "| " + " | ".join(NUM_COLUMNS) + " |", "|" + "---|" * len(NUM_COLUMNS)]
             out += ["| " + " | ".join(r) + " |" for r in self.numerics]
+        if self.models:
+            out += ["", "Training steps of converted models (loss forward + backward) against the unconverted model "
+                    "run the same way (eager, or torch.compile with fullgraph); backends: what served their attention:",
+                    "",
+                    "| " + " | ".join(MODEL_COLUMNS) + " |", "|" + "---|" * len(MODEL_COLUMNS)]
+            out += ["| " + " | ".join(r) + " |" for r in self.models]
         return "\n".join(out + [""] + self.notes + ["", self.status, ""])
 
     def write(self) -> None:
@@ -191,6 +204,10 @@ def plan(args) -> list[dict]:
                        "variant": "all"}
                 jobs.append({"kind": "config", "id": f"T{T}-{Hq}x{Hkv}-{mask}", "table": "main", "key": key,
                              "T": T, "Hq": Hq, "Hkv": Hkv, "mask": mask})
+    for family, case in MODEL_CASES if not args.quick or args.only else ():  # the dry run's only on --only (minutes)
+        for mode in ("eager", "compiled"):
+            jobs.append({"kind": "models", "id": f"model-{family}-{mode}", "table": "models", "family": family,
+                         "case": case, "mode": mode, "key": {"model": family, "batch": case, "mode": mode}})
     T, (Hq, Hkv) = args.lengths[0], args.heads[0]
     jobs.append({"kind": "epilogue", "id": "epilogue", "table": "main", "T": T, "Hq": Hq, "Hkv": Hkv,
                  "key": {"T": str(T), "B": str(max(1, args.tokens // T)), "Hq/Hkv": f"{Hq}/{Hkv}", "mask": "causal",
@@ -209,7 +226,7 @@ def parse_args(argv=None):
     p.add_argument("--tests-timeout-s", type=float, default=None, help="default: min(240, budget / 2)")
     p.add_argument("--out", default=None, help="the report (markdown); default: gpu_check.md in a new temp folder")
     p.add_argument("--only", nargs="*", default=None, help="run only the groups whose id matches one of these fnmatch "
-                   "patterns (ids: epilogue-numerics, T1024-32x8-causal, ..., epilogue)")
+                   "patterns (ids: epilogue-numerics, T1024-32x8-causal, ..., model-gemma2-compiled, epilogue)")
     p.add_argument("--budget-s", type=float, default=420.0, help="start no group after this many seconds")
     p.add_argument("--deadline-s", type=float, default=500.0, help="kill a group still running at this time")
     p.add_argument("--group-timeout-s", type=float, default=150.0, help="kill a group running longer than this")
@@ -240,6 +257,8 @@ def failure_cells(job: dict, label: str, text: str) -> dict:
     """The row that stands for a failed (part of a) group: its key, `label` as variant, `text` in the first cell."""
     if job["table"] == "main":
         return dict(job["key"], variant=label, backend=text)
+    if job["table"] == "models":
+        return dict(job["key"], variant=label, backends=text)
     return dict(job["key"], dtype=label, out=text)
 
 
@@ -299,7 +318,7 @@ def orchestrate(args, report: Report, log: Log, tracebacks: Tracebacks, start: f
                 f = rec["failed"]
                 short = f"{f['type']}: {f['message']}".replace("\n", " ")[:160]
                 ref = tracebacks.add(f"{job['id']} {json.dumps(f['key'])}", f["traceback"])
-                cell = "backend" if f["table"] == "main" else "out"
+                cell = {"main": "backend", "models": "backends"}.get(f["table"], "out")
                 log(report.add(f["table"], job["id"], dict(f["key"], **{cell: f"failed: {short} ({ref})"})))
             elif "fatal" in rec:
                 log(report.add(job["table"], job["id"], failure_cells(job, "(rest of group)", rec["fatal"])))

@@ -606,7 +606,13 @@ def warm_up() -> None:
         pass
 
 
-JOBS = {"config": bench_config, "epilogue": epilogue_rows, "numerics": epilogue_numerics}
+def model_job(args, rec: Records, device, job: dict) -> None:
+    from gpu_check_models import model_rows
+
+    model_rows(args, rec, device, job)
+
+
+JOBS = {"config": bench_config, "epilogue": epilogue_rows, "numerics": epilogue_numerics, "models": model_job}
 
 
 def worker_main(args) -> int:

@@ -227,14 +227,19 @@ def test_supports_refuses_with_reason(kw, needle, monkeypatch):
 
 
 def test_dispatch_order_on_cuda(monkeypatch):
-    """sdpa keeps the calls without an lse it serves; cuda_flash takes the rest before any CPU backend."""
+    """sdpa keeps the calls without an lse it serves; cuda_flash takes the rest before any CPU backend; flex what it
+    refuses, exact only what neither takes."""
+    from affine_attention.ops.backends import flex
+
     monkeypatch.setattr(cuda_flash, "_platform_reason", lambda: None)
+    monkeypatch.setattr(flex, "_platform_reason", lambda: None)
     names = [b.name for b in BACKENDS]
     assert names.index("cuda_flash") < names.index("cpu_flash")
     assert select(_call(is_causal=True, needs_lse=False)).name == "sdpa"
     assert select(_call(is_causal=True)).name == "cuda_flash"
     assert select(_call(is_causal=True, window=3, needs_lse=False)).name == "cuda_flash"
-    assert select(_call(dtype=torch.float32, is_causal=True)).name == "exact"
+    assert select(_call(dtype=torch.float32, is_causal=True)).name == "flex"
+    assert select(_call(dtype=torch.float64, is_causal=True)).name == "exact"
     with pytest.raises(ValueError, match="cuda_flash"):
         select(_call(dtype=torch.float32), backend="cuda_flash")
 

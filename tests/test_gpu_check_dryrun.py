@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.environ.get("GPU_CHECK_SCRIPT", os.path.join(ROOT, "benchmarks", "gpu_check.py"))
 
@@ -59,7 +61,8 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     assert code == 0, log[-3000:]
     assert log.strip().splitlines()[-1] == f"report: {out}"  # the path printed last
     text = out.read_text()
-    assert "CUDA tests (`pytest -m cuda tests/test_backends_cuda.py`, exit 0)" in text and "skipped" in text
+    assert ("CUDA tests (`pytest -m cuda tests/test_backends_cuda.py tests/test_backends_flex.py`, exit 0)" in text
+            and "skipped" in text)
     assert "deselected" in (tmp_path / "report.md.pytest.txt").read_text()  # pytest's own output, kept
     assert re.search(r"^total \d+ s$", text, re.M) and "in progress" not in text and "failed" not in text
     assert not (tmp_path / "report.md.tracebacks.txt").exists()
@@ -183,3 +186,21 @@ def test_gpu_check_times_out_hung_steps(tmp_path):
     assert "in inject" in stack and "in epilogue_numerics" in stack, entry  # where it hung, from faulthandler
     events = (tmp_path / "report.md.log").read_text()
     assert "group epilogue-numerics: timeout after" in events  # the event log says it too
+
+
+@pytest.mark.slow
+def test_gpu_check_model_rows_dry_run(tmp_path):
+    """The model training-step rows (two of the model-* groups): eager and compiled (fullgraph) steps of every variant
+    against the unconverted model, each row naming the backends that served it; FA3 "not run (no CUDA)" on the CPU."""
+    code, out, log = run(tmp_path, "--tests", "--only", "model-mistral-eager", "model-llama-compiled")
+    assert code == 0, log[-3000:]
+    text = out.read_text()
+    assert "failed" not in text, text
+    _, rows = table(text, "model")
+    assert {(r["model"], r["mode"], r["variant"]) for r in rows} == {
+        (m, mode, v) for m, mode in (("mistral", "eager"), ("llama", "compiled"))
+        for v in ("unconverted", "softmax", "sink", "affine")}
+    for r in rows:
+        assert float(r["step ms"]) > 0 and float(r["step / unconverted"]) > 0, r
+        assert r["backends"] == ("transformers" if r["variant"] == "unconverted" else "cpu_flash"), r
+        assert r["FA3 step / unconverted"] == "not run (no CUDA)", r

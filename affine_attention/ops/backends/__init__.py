@@ -61,6 +61,17 @@ def _reason(b: Backend, call: Call) -> str | None:
     return b.supports(call)
 
 
+def explain(call: Call) -> list[tuple[str, str | None]]:
+    """The automatic choice step by step: (backend name, why it refuses `call`) for every backend it asks, ending with
+    (the one that serves it, None); what `select` does, written out (the `backends` command prints it)."""
+    steps = []
+    for b in BACKENDS:
+        steps.append((b.name, _reason(b, call)))
+        if steps[-1][1] is None:
+            break
+    return steps
+
+
 def select(call: Call, backend: str | None = None) -> Backend:
     """The backend that serves `call`: the forced one (ValueError if it cannot), else the first that accepts."""
     name = backend if backend is not None else _forced.current
@@ -94,6 +105,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, score: Score, *, 
         raise ValueError("backends.attention takes q with score.q_scale folded in (ops.attention does it)")
     chosen = select(Call.of(q, k, mask, needs_lse=sinks is not None, score=score), backend)
     q, k, v = fit_layout(chosen, q), fit_layout(chosen, k), fit_layout(chosen, v)
+    if chosen.differentiable_lse:  # the sink is plain autograd on a log-sum-exp that has a gradient of its own
+        out, lse = chosen.attention(q, k, v, mask, score, with_lse=sinks is not None)
+        return with_sink(out, lse, sinks)[0], lse
     if not chosen.has_lse:
         return chosen.attention(q, k, v, mask, score), None
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
@@ -161,5 +175,5 @@ class KernelAttention(torch.autograd.Function):
         return None, dq, dk, dv, dsinks, None, None
 
 
-__all__ = ["BACKENDS", "Backend", "Call", "KernelAttention", "attention", "backend_names", "fit_layout", "forced_name",
-           "get_backend", "select", "use_backend", "with_sink"]
+__all__ = ["BACKENDS", "Backend", "Call", "KernelAttention", "attention", "backend_names", "explain", "fit_layout",
+           "forced_name", "get_backend", "select", "use_backend", "with_sink"]

@@ -63,6 +63,9 @@ class Backend:
     #: fixes layouts itself). "last_dim_contiguous": the head dimension D must have stride 1 (aten's flash kernels
     #: read D as a dense vector and, given a transposed or D-expanded view, read memory that is not the input).
     layout: str = "any"
+    #: Whether `attention(..., with_lse=True)` also returns the log-sum-exp, differentiable like the output (flex):
+    #: the dispatcher then builds the sink as plain autograd on it, with no raw pair and no KernelAttention.
+    differentiable_lse: bool = False
 
     def accepts_layout(self, t: Tensor) -> bool:
         """Whether this kernel reads t: (B, H, T|S, D) correctly as it is laid out in memory."""
@@ -75,7 +78,8 @@ class Backend:
         raise NotImplementedError
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, score: Score) -> Tensor:
-        """Differentiable softmax attention (backends without an lse)."""
+        """Differentiable softmax attention (backends without a raw pair). A backend with `differentiable_lse` takes
+        `with_lse=` and returns (out, lse (B, Hq, T) float32, or None when not asked)."""
         raise NotImplementedError(f"backend {self.name!r} has no differentiable attention()")
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, score: Score) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,136 @@
+"""The dispatch table: for every mask kind the library knows, which backend serves the call and why each one the
+automatic choice asks before it refuses; planned without running a kernel, so it prints on a CPU-only machine.
+
+Eager calls are planned on CPU tensors that hold the mask's values (what eager host checks read) and compiled calls
+on meta tensors (whose values, as inside a compiled graph, cannot be read), both with the call's device type set to
+the asked one. Backends with a platform check (CUDA present, flash kernels built, triton) are asked as on a machine
+that passes it, unless this machine has that device: then they answer for it.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+
+from . import backends
+from .backends.base import Call
+from .call import make_score
+from .masks import Varlen, parse_mask
+
+B, HQ, HKV, D, T, S = 2, 8, 2, 128, 256, 256
+
+
+class Case(NamedTuple):
+    """One mask kind: T queries over S keys; keys: (first, end) of the valid keys per row, or a list of (B, S) bools;
+    docs: document lengths of one packed row; varlen: with the collator's cu_seq_lens; dense: an arbitrary mask."""
+
+    name: str
+    T: int = T
+    S: int = S
+    window: int | None = None
+    keys: tuple | None = None
+    docs: tuple | None = None
+    varlen: bool = False
+    dense: bool = False
+    softcap: float | None = None
+    batch: int = B
+
+
+CASES = [
+    Case("causal"),
+    Case("causal after a cache (chunked prefill, T < S)", T=64),
+    Case("padding, right", keys=((0, 200), (0, 256))),
+    Case("padding, left", keys=((56, 256), (0, 256))),
+    Case("padding, both sides", keys=((10, 200), (0, 256))),
+    Case("padding, not contiguous", keys="holes"),
+    Case("window", window=64),
+    Case("window + left padding", window=64, keys=((56, 256), (0, 256))),
+    Case("window + right padding", window=64, keys=((0, 200), (0, 256))),
+    Case("documents with cu_seq_lens", docs=(100, 60, 96), varlen=True, batch=1),
+    Case("documents without cu_seq_lens", docs=(100, 60, 96), batch=1),
+    Case("documents + padding", docs=(100, 60, 96), keys=((0, 200),), batch=1),
+    Case("dense mask", dense=True),
+    Case("softcap (Gemma 2)", softcap=50.0),
+    Case("softcap + window + padding", softcap=50.0, window=64, keys=((0, 200), (0, 256))),
+    Case("decoding (T = 1)", T=1),
+    Case("decoding + padding", T=1, keys=((56, 256), (0, 256))),
+    Case("decoding + window + padding", T=1, window=64, keys=((56, 256), (0, 256))),
+]
+
+
+def _mask(case: Case, device: torch.device):
+    """The case's MaskSpec with its tensors on `device` (CPU: values readable; meta: not, as when compiling)."""
+    b = case.batch
+    keys = docs = varlen = dense = None
+    if case.keys == "holes":
+        keys = torch.ones(b, 1, 1, case.S, dtype=torch.bool)
+        keys[0, ..., 40:60] = False
+    elif case.keys is not None:
+        keys = torch.zeros(b, 1, 1, case.S, dtype=torch.bool)
+        for row, (first, end) in enumerate(case.keys):
+            keys[row, ..., first:end] = True
+    if case.docs is not None:
+        lengths = torch.tensor(case.docs)
+        docs = torch.repeat_interleave(torch.arange(len(case.docs)), lengths)[None]
+        cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
+        varlen = Varlen(cu.to(device), cu.to(device), max(case.docs), max(case.docs)) if case.varlen else None
+    if case.dense:
+        dense = torch.rand(b, 1, case.T, case.S, generator=torch.Generator().manual_seed(0)) < 0.5
+    attn = keys if keys is not None else dense
+    return parse_mask(None if attn is None else attn.to(device), dense is None, b, HQ, case.T, case.S, device,
+                      window=case.window, document_ids=None if docs is None else docs.to(device), varlen=varlen)
+
+
+@contextlib.contextmanager
+def _platform_assumed(device_type: str) -> Iterator[None]:
+    """Backends answer as on a machine whose platform checks pass (CUDA present, kernels built, triton), unless this
+    machine has the device: then the checks run for real."""
+    real = device_type == "cuda" and torch.cuda.is_available()
+    modules = {sys.modules[type(b).__module__] for b in backends.BACKENDS}
+    saved = {m: m._platform_reason for m in modules if hasattr(m, "_platform_reason")}
+    try:
+        if not real:
+            for m in saved:
+                m._platform_reason = lambda: None
+        yield
+    finally:
+        for m, f in saved.items():
+            m._platform_reason = f
+
+
+class Row(NamedTuple):
+    mask: str
+    lse: bool  # the kernel is asked for a log-sum-exp (sink-like variants)
+    served_by: str
+    refused: list[tuple[str, str]]  # (backend, why) of every backend asked before it
+
+
+def dispatch_table(device_type: str = "cuda", dtype: torch.dtype = torch.bfloat16, compiled: bool = False,
+                   cases: list[Case] | None = None) -> list[Row]:
+    """Which backend serves each case, for calls that need no lse and for calls that do, as the automatic choice
+    decides it (backends.explain) for a training call (requires_grad), B = 2, Hq/Hkv = 8/2, D = 128."""
+    where = torch.device("meta" if compiled else "cpu")
+    rows = []
+    with _platform_assumed(device_type):
+        for case in cases or CASES:
+            mask = _mask(case, where)
+            for lse in (False, True):
+                score = make_score(None, case.softcap, D)
+                call = Call(device_type, dtype, case.batch, HQ, HKV, case.T, case.S, D, mask, lse, True, score)
+                steps = backends.explain(call)
+                served = steps[-1][0] if steps[-1][1] is None else "none"
+                rows.append(Row(case.name, lse, served, [(n, r) for n, r in steps if r is not None]))
+    return rows
+
+
+def markdown(rows: list[Row], variants_without_lse: str, variants_with_lse: str) -> str:
+    """rows as a markdown table; the variants columns name which variants ask for a call of each kind."""
+    out = ["| mask | variants | served by | refused before it |", "|---|---|---|---|"]
+    for r in rows:
+        refused = "; ".join(f"`{n}`: {why}" for n, why in r.refused) or "—"
+        out.append(f"| {r.mask} | {variants_with_lse if r.lse else variants_without_lse} | `{r.served_by}` | "
+                   f"{refused.replace('|', '/')} |")
+    return "\n".join(out)

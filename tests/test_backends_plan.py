@@ -1,0 +1,47 @@
+"""The dispatch table (`affine-attention backends`, ops/plan.py), planned on a CPU-only machine: on CUDA in bf16,
+eager and compiled, no mask kind falls to the exact T x S path; each row names what the backends above refused."""
+
+import pytest
+import torch
+
+from affine_attention import cli
+from affine_attention.ops.plan import CASES, dispatch_table
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_no_cuda_row_falls_to_exact(compiled):
+    rows = dispatch_table("cuda", torch.bfloat16, compiled)
+    assert len(rows) == 2 * len(CASES)
+    assert [r for r in rows if r.served_by not in ("sdpa", "cuda_flash", "flex")] == []
+    served = {(r.mask, r.lse): r for r in rows}
+    for lse in (False, True):
+        assert served[("softcap (Gemma 2)", lse)].served_by == "flex"
+        assert served[("documents + padding", lse)].served_by == "flex"
+        assert served[("window + right padding", lse)].served_by == "flex"
+        assert served[("dense mask", lse)].served_by == "flex"
+        assert served[("documents with cu_seq_lens", lse)].served_by == "cuda_flash"
+        assert served[("window", lse)].served_by == "cuda_flash"
+    # Under compile cuda_flash cannot read the padding: windows with padding, documents without cu_seq_lens go to flex.
+    assert served[("documents without cu_seq_lens", True)].served_by == ("flex" if compiled else "cuda_flash")
+    assert served[("window + left padding", True)].served_by == ("flex" if compiled else "cuda_flash")
+    # Every backend asked before the one that serves gave its reason, in the dispatcher's order.
+    softcap = served[("softcap (Gemma 2)", True)]
+    assert [n for n, _ in softcap.refused] == ["sdpa", "cuda_flash"]
+    assert all("softcap" in why for _, why in softcap.refused)
+
+
+def test_on_cpu_the_exact_path_is_named():
+    """Planned for CPU, a softcap call goes to exact (no CPU kernel caps), and the table says why."""
+    rows = {(r.mask, r.lse): r for r in dispatch_table("cpu", torch.float32)}
+    capped = rows[("softcap (Gemma 2)", True)]
+    assert capped.served_by == "exact"
+    assert dict(capped.refused)["flex"].startswith("runs on CUDA only")
+
+
+def test_backends_command_prints_the_table(capsys):
+    assert cli.main(["backends", "--device", "cuda", "--dtype", "bfloat16", "--compiled"]) == 0
+    text = capsys.readouterr().out
+    lines = [ln for ln in text.splitlines() if ln.startswith("| ")]
+    assert lines[0] == "| mask | variants | served by | refused before it |"
+    assert len(lines) == 1 + 2 * len(CASES) and "`exact`" not in text
+    assert any(ln.startswith("| softcap (Gemma 2) |") and "sink" in ln and "`flex`" in ln for ln in lines)
