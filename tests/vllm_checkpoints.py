@@ -29,19 +29,19 @@ def copy_tokenizer(directory: str) -> None:
             shutil.copy(path, os.path.join(directory, name))
 
 
-def make_checkpoint(directory: str, family: str, variant: str | None, *, seed: int = 0, sizes=None):
+def make_checkpoint(directory: str, family: str, variant: str | None, *, seed: int = 0, sizes=None, options=None):
     """Save a random fp32 `family` model, converted to `variant` (None: unconverted), with random variant weights
-    (alpha_ma in (0.2, 0.8), sinks in (-1, 1)). Returns the transformers model (eval mode)."""
+    (alpha_ma in (0.2, 0.8), sinks ~ N(0, 0.5)); options: the variant's. Returns the transformers model (eval mode)."""
     import affine_attention
     from affine_attention.hf.families import get_family
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    values = {**TINY, **FAMILY_CONFIGS[family], **(sizes or {})}
+    values = {**TINY, **FAMILY_CONFIGS.get(family, {}), **(sizes or {})}
     config = AutoConfig.for_model(get_family(family).model_type, **values)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if variant is not None:
-        affine_attention.convert(model, variant)
+        affine_attention.convert(model, variant, **(options or {}))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if ".attn_variant." in name:

@@ -78,7 +78,7 @@ class VariantAttention(nn.Module):
                                num_kv_heads=self.Hkv, cache_config=config.cache_config, quant_config=old.quant_config,
                                logits_soft_cap=cap, per_layer_sliding_window=old.sliding_window, prefix=name,
                                attn_type=old.attn_type, **extra)
-        if sinks and not self.inner.attn_backend.supports_sink():
+        if sinks and not _takes_sinks(self.inner, self.sink_logits):
             raise Refused(f"vLLM's attention backend {self.inner.attn_backend.get_name()} has no attention sinks, "
                           f"which variant {variant.name!r} needs; serving without them would compute another "
                           "attention: choose a backend with sinks (the CPU backend has them)")
@@ -107,6 +107,12 @@ class VariantAttention(nn.Module):
             return o.reshape(N, Hq * D)
         out = epilogue(out, alpha=p.alpha, alpha_ma=p.alpha_ma, gate=p.gate, v_mean=m, impl="eager")
         return out[0].transpose(0, 1).reshape(N, Hq * D)
+
+
+def _takes_sinks(attn: Attention, sinks: Tensor) -> bool:
+    """Whether `attn`'s backend applies the sink logits it was built with. CPU_ATTN applies them (as `s_aux`) without
+    declaring `supports_sink`; its implementation then holds this very tensor."""
+    return attn.attn_backend.supports_sink() or getattr(attn.impl, "sinks", None) is sinks
 
 
 def _hidden_states_index(forward) -> int:
