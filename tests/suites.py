@@ -24,7 +24,8 @@ VERSION_SENSITIVE = frozenset({
     "test_retrofit.py", "test_running_stats.py", "test_running_stats_protocol.py", "test_segment_sums.py",
     "test_stats_distributed.py", "test_train_checkpoint.py", "test_transformers_serve.py", "test_train_compile_ac.py", "test_train_distributed.py",
     "test_train_fsdp_precision.py", "test_train_kd.py", "test_train_resume.py", "test_triton_kernels.py",
-    "test_user_paths.py", "test_variants.py", "test_variants_distributed.py",
+    "test_user_paths.py", "test_variants.py", "test_variants_distributed.py", "test_vllm.py",
+    "test_vllm_serve.py",
 })
 
 # Python logic over results (metrics, reports, plots, claims, configs, CLI wording, data packing, run folders, the
