@@ -94,6 +94,9 @@ def test_styles_fixed_and_deterministic():
     names = variants.variant_names()
     colours = [style.color(n) for n in names]
     assert len(set(colours)) == len(names)  # one distinct colour each
-    assert all(c.upper() in style.OKABE_ITO.values() for c in colours)
+    # colour-blind-safe sets only: Okabe-Ito, then Paul Tol's muted set (variants.base.palette_colour)
+    from affine_attention.variants.base import _TOL_MUTED, OKABE_ITO
+
+    assert all(c.upper() in {*OKABE_ITO.values(), *_TOL_MUTED} for c in colours)
     assert style.label("affine") == "Affine-scaled" and style.style_for("Off-By-One") == style.style_for("off_by_one")
     assert style.color("my_variant") == style.color("my_variant") and style.label("my_variant") == "my_variant"
