@@ -148,7 +148,8 @@ class Trainer:
             self.teacher = Teacher(cfg.kd, student_tok=self.tok, student_tok_spec=self.tok_spec,
                                    student_vocab=self.vocab_size, data_key=data_key(self.source, dc.seq_len),
                                    seq_len=dc.seq_len, device=self.info.device, rank=self.info.rank,
-                                   doc_sep=self.doc_sep, chunk=self.tc.loss_chunk_tokens, compile=self.tc.compile)
+                                   doc_sep=self.doc_sep, chunk=self.tc.loss_chunk_tokens, compile=self.tc.compile,
+                                   shard=self.info.enabled)
 
     # --- start or resume ------------------------------------------------------------------------------------
     def start(self) -> None:

@@ -41,6 +41,8 @@ def accumulate_gradients(model, rows: torch.Tensor, ids: torch.Tensor, *, n_micr
                 # after the forward: an FSDP2 root holds its parameters (the head) unsharded until its backward
                 loss, ce, kd = head_loss(hidden, output_head(model), targets, teacher=teacher_targets,
                                          temperature=temperature, kd_alpha=kd_alpha, chunk=chunk)
+            if teacher is not None:
+                teacher.release()
             (loss / n_micro).backward()
         sums += torch.stack([loss.detach(), ce, kd]).to(sums.dtype)
     return sums
