@@ -111,6 +111,7 @@ class Teacher:
         self.dtype = teacher_dtype(cfg, device)
         self._model = None
         self.cache = None
+        self.keep, self.memo, self.hits = 0, {}, 0  # `share`
         student_fp = vocab_fingerprint(student_tok)
         meta = None
         if cfg.cache:
@@ -172,7 +173,7 @@ class Teacher:
         """inputs: (B, T) int64, ids: (B,) sequence ids -> {"hidden": (B, T, Ht), "head": OutputHead} (full KD) or
         {"values", "indices": (B, T, k)} (top-k), as `kd_chunked.head_loss` takes them."""
         if self.cache is None:
-            return self._forward(inputs)
+            return self._shared(inputs, ids) if self.keep else self._forward(inputs)
         found = self.cache.get(ids.tolist())
         missing = [i for i, row in enumerate(found) if row is None]
         if self.shard and not missing and _any_rank(False, self.device):
@@ -185,6 +186,29 @@ class Teacher:
         values = torch.stack([v for v, _ in found]).to(self.device)
         indices = torch.stack([x for _, x in found]).to(self.device)
         return {"values": values, "indices": indices}
+
+    def share(self, micro_batches: int) -> None:
+        """Keep the live targets of the last `micro_batches` micro-batches, so runs stepped in lockstep on the same
+        data (compare's variants) share one teacher forward per micro-batch. Holds that many (b, T, Ht) hidden
+        states (or top-k rows); a sharded teacher keeps its root gathered while they are read."""
+        self.keep = micro_batches
+
+    def _shared(self, inputs: Tensor, ids: Tensor) -> dict[str, Tensor]:
+        key = tuple(ids.tolist())
+        kept = self.memo.get(key)
+        if kept is not None and torch.equal(kept[0], inputs):
+            self.hits += 1
+            out = dict(kept[1])
+            if "hidden" in out:
+                if self.shard:  # every rank hits here together: its peers step the same runs in the same order
+                    self.model.unshard()
+                out["head"] = output_head(self.model)
+            return out
+        out = self._forward(inputs)
+        self.memo[key] = (inputs.clone(), {k: v for k, v in out.items() if k != "head"})
+        while len(self.memo) > self.keep:
+            self.memo.pop(next(iter(self.memo)))
+        return out
 
     def flush(self) -> None:
         if self.cache is not None:

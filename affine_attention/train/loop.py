@@ -39,11 +39,12 @@ class Trainer:
 
     base_model: an unconverted model to start from (compare passes one per seed so all variants share weights);
     by default one is built from cfg.model and cfg.train.seed. variant/variant_options default to [variant].
+    teacher: another run's KD teacher to share (compare's variants stepped in lockstep); by default one of its own.
     """
 
     def __init__(self, cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, base_model=None,
                  variant: str | None = None, variant_options: dict | None = None, label: str | None = None,
-                 log=print):
+                 log=print, teacher: Teacher | None = None):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -60,7 +61,7 @@ class Trainer:
         self.lock: RunLock | None = None
         self.hold_folder()  # a folder that exists already: before minutes of building, so a second process stops
         try:
-            self.build(base_model)
+            self.build(base_model, teacher)
         except BaseException:
             self.close()
             raise
@@ -80,7 +81,7 @@ class Trainer:
             self.lock.release()
             self.lock = None
 
-    def build(self, base_model) -> None:
+    def build(self, base_model, teacher: Teacher | None = None) -> None:
         """Everything a run needs before its first step: data, model, teacher, statistics, the metrics log."""
         if self.tc.threads:
             torch.set_num_threads(self.tc.threads)
@@ -95,7 +96,9 @@ class Trainer:
         self.train_time, self.last_eval = 0.0, None
         self.build_data()
         self.build_model(base_model)
-        self.build_teacher()
+        self.teacher = teacher
+        if teacher is None:
+            self.build_teacher()
         self.saver = checkpoint_dcp.ShardedSaver(self.info, background=tc.async_checkpoint)
         self.cost = StepCost(self.hf_model, self.n_params, self.dc.seq_len, self.tokens_per_step, world,
                              self.info.device, self.teacher)
@@ -339,6 +342,16 @@ class Trainer:
             self.close()
 
     def _run(self) -> dict[str, Any]:
+        done = self.open_run()
+        if done is not None:
+            return done
+        for s in range(self.start_step, self.tc.steps):
+            self.train_step(s)
+            self.on_schedule(s + 1)
+        return self.close_run()
+
+    def open_run(self) -> dict[str, Any] | None:
+        """Start or resume (and the step-0 evaluation); the summary of a run that is already complete, else None."""
         tc = self.tc
         if self.resume and self.nothing_saved():
             self.restart()
@@ -359,12 +372,13 @@ class Trainer:
         self.begin()
         if self.start_step == 0 and tc.steps > 0:
             self.evaluate(0)
-        for s in range(self.start_step, tc.steps):
-            self.train_step(s)
-            self.on_schedule(s + 1)
+        return None
+
+    def close_run(self) -> dict[str, Any]:
+        """After the last step: the final checkpoint and the summary."""
         self.progress.close()
-        if self.start_step < tc.steps:
-            self.save(tc.steps, final=True)
+        if self.start_step < self.tc.steps:
+            self.save(self.tc.steps, final=True)
         return self.finish()
 
 
