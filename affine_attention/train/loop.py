@@ -272,7 +272,7 @@ class Trainer:
     # --- evaluation and checkpoints -------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict[str, Any]:
         """Held-out loss, the query-key logit probe and the variant's per-head state, as an eval record."""
-        rec = eval_record(self.model, self.held, self.dc, self.autocast, self.doc_sep, step)
+        rec = eval_record(self.model, self.held, self.dc, self.autocast, self.doc_sep, step, self.tc.loss_chunk_tokens)
         self.metrics.write(rec)
         self.progress.write(f"[{self.label}] step {step}: held-out loss {rec['heldout_loss']:.4f} "
                             f"(ppl {rec['heldout_ppl']:.1f}), mean qk logit {rec['qk_logit_mean']:.3f}")
