@@ -18,7 +18,8 @@ from .blocks import prepare_blocks
 from .config import RunConfig
 from .config_load import validate
 from .data import TrainBatches, data_key, eval_sequences, open_source, separator_id
-from .distributed import DistInfo, all_equal, all_reduce_sum, barrier, full_state, setup, wrap
+from .export import write_final
+from .distributed import DistInfo, all_equal, all_reduce_sum, barrier, setup, wrap
 from .kd import Teacher
 from .metrics import HostSyncs, MetricsLog, Progress, StepCost, TokenStats, running_buffers, state_per_layer
 from .model import base_model as start_model
@@ -195,7 +196,9 @@ class Trainer:
         path = checkpoint_dcp.newest(self.out_dir, self.info, log=self.say)
         # Before any weight is read: another architecture would otherwise end in a size-mismatch error.
         check_resume_config(json.loads((path / "trainer_state.json").read_text())["config"], self.cfg)
-        state = checkpoint_dcp.restore(path, self.model, self.optimizer, self.info, self.cfg.model.tie_embeddings)
+        state = checkpoint_dcp.restore(path, self.model, self.optimizer, self.info, self.cfg.model.tie_embeddings,
+                                       config=self.hf_model.config)
+        self.resumed_from = path
         ts = state["trainer_state"]
         torch.set_rng_state(state["rng"]["torch_cpu"])
         if "torch_cuda" in state["rng"] and self.info.device.type == "cuda":
@@ -286,17 +289,18 @@ class Trainer:
         state = {"step": step, "data": self.batches.state_dict(), "wall_time": self.wall0 + time.time() - self.t_seg,
                  "tokens": self.tokens_seen, "config": self.cfg.to_dict(), "variant": self.variant,
                  "world_size": self.info.world}
-        if not final:  # sharded: every rank writes its part (checkpoint_dcp.py)
-            self.saver.save(self.out_dir / "checkpoints" / ckpt.step_name(step), model=self.model,
-                            optimizer=self.optimizer, hf_model=self.hf_model, tokenizer=self.tok, trainer_state=state,
-                            after=lambda: ckpt.prune(self.out_dir, self.tc.keep_checkpoints))
-            return
-        self.saver.wait()  # final/ is the transformers folder the report and export read, written whole by rank 0
-        msd, osd = full_state(self.model, self.optimizer)
-        if self.info.is_main:
-            ckpt.save(self.out_dir / "final", model=self.hf_model, model_sd=msd, optim_sd=osd, tokenizer=self.tok,
-                      trainer_state=state)
-        barrier(self.info)
+        path = self.out_dir / "checkpoints" / ckpt.step_name(step)
+        # Sharded: every rank writes its part (checkpoint_dcp.py); the last step's too, so a resume finds it.
+        self.saver.save(path, model=self.model, optimizer=self.optimizer, hf_model=self.hf_model, tokenizer=self.tok,
+                        trainer_state=state, after=lambda: ckpt.prune(self.out_dir, self.tc.keep_checkpoints))
+        if final:
+            self.write_final(path)
+
+    def write_final(self, path: Path) -> None:
+        """final/, the transformers folder the report and export read: the model alone, exported from step checkpoint
+        `path` by rank 0 from its shards (no optimizer state gathered anywhere). Collective."""
+        self.saver.wait()
+        checkpoint_dcp.on_main(lambda: write_final(path, self.out_dir / "final"), self.info)
 
     def on_schedule(self, step: int) -> None:
         tc = self.tc
@@ -359,6 +363,8 @@ class Trainer:
             self.resume_from_checkpoint()
             if self.start_step >= tc.steps:
                 self.say(f"the run in {self.out_dir} is already complete ({self.start_step} steps)")
+                if not (self.out_dir / "final").is_dir():  # killed between the last checkpoint and final/
+                    self.write_final(self.resumed_from)
                 if (self.out_dir / "result.json").is_file():
                     return read_result(self.out_dir)
                 # Killed after final/ but before result.json: the held-out numbers of the last step, as logged
