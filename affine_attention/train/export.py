@@ -70,12 +70,14 @@ def _write_sharded(path: Path, tmp: Path) -> None:
 
 def write_final(step_path: Path, target: Path) -> None:
     """A run's final/: the model of its step checkpoint `step_path` (read from its shards, the optimizer's left on
-    disk) as a transformers folder with a manifest (format EXPORT), committed atomically. One process (rank 0)."""
+    disk) as a transformers folder, with the run's trainer_state.json and a manifest (format EXPORT), committed
+    atomically. One process (rank 0)."""
     step_path, target = Path(step_path), Path(target)
     tmp = ckpt.temporary(target)
     tmp.mkdir(parents=True)
     try:
         _write_sharded(step_path, tmp)
+        shutil.copy2(step_path / "trainer_state.json", tmp)  # the run's config and step (analyze reads its data)
         step = ckpt._manifest(step_path)[0]["step"]
         ckpt.commit(tmp, target, {"format": ckpt.EXPORT, "step": step}, ckpt.file_table(tmp))
     except BaseException:

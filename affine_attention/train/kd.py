@@ -111,7 +111,7 @@ class Teacher:
         self.dtype = teacher_dtype(cfg, device)
         self._model = None
         self.cache = None
-        self.keep, self.memo, self.hits = 0, {}, 0  # `share`
+        self.keep, self.memo = 0, {}  # `share`
         student_fp = vocab_fingerprint(student_tok)
         meta = None
         if cfg.cache:
@@ -190,14 +190,13 @@ class Teacher:
     def share(self, micro_batches: int) -> None:
         """Keep the live targets of the last `micro_batches` micro-batches, so runs stepped in lockstep on the same
         data (compare's variants) share one teacher forward per micro-batch. Holds that many (b, T, Ht) hidden
-        states (or top-k rows); a sharded teacher keeps its root gathered while they are read."""
+        states (or top-k rows); a sharded teacher gathers its root again for each run that reads them."""
         self.keep = micro_batches
 
     def _shared(self, inputs: Tensor, ids: Tensor) -> dict[str, Tensor]:
         key = tuple(ids.tolist())
         kept = self.memo.get(key)
         if kept is not None and torch.equal(kept[0], inputs):
-            self.hits += 1
             out = dict(kept[1])
             if "hidden" in out:
                 if self.shard:  # every rank hits here together: its peers step the same runs in the same order

@@ -18,8 +18,8 @@ from .blocks import prepare_blocks
 from .config import RunConfig
 from .config_load import validate
 from .data import TrainBatches, data_key, eval_sequences, open_source, separator_id
-from .export import write_final
 from .distributed import DistInfo, all_equal, all_reduce_sum, barrier, setup, wrap
+from .export import write_final
 from .kd import Teacher
 from .metrics import HostSyncs, MetricsLog, Progress, StepCost, TokenStats, running_buffers, state_per_layer
 from .model import base_model as start_model
