@@ -1,13 +1,14 @@
 """The KD teacher sharded with FSDP2 across 2 gloo ranks gives the whole teacher's KD loss and student gradient, holds
 about half of its parameters per rank, and its cached top-k targets stay equal when one rank's rows are cached and its
-peer's are not (the forward is collective). Two torchrun processes (~20 s): slow suite."""
+peer's are not (the forward is collective); a 2-rank FSDP2 KD run with it follows the one-process run. torchrun with
+2 processes (~20-60 s each): slow suite."""
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
-from test_train_helpers import REPO
+from test_train_helpers import REPO, tiny  # noqa: F401  (fixture)
 from torchrun_helpers import torchrun
 
 
@@ -41,3 +42,21 @@ def test_sharded_teacher_gives_the_whole_teachers_kd_loss(teacher_folder, tmp_pa
         assert sharded["all_sharded"] and not whole["all_sharded"]
         assert 0.45 * whole["param_bytes"] <= sharded["param_bytes"] <= 0.55 * whole["param_bytes"]
         assert r["topk_diff"] == 0.0
+
+
+@pytest.mark.slow
+def test_fsdp_kd_training_with_the_sharded_teacher_follows_one_process(teacher_folder, tiny, tmp_path):
+    from test_train_helpers import cli, read_records, sets
+
+    common = tiny + ["train.steps=3", "train.global_batch=8", "kd.enabled=true", f"kd.teacher='{teacher_folder}'",
+                     "kd.teacher_dtype='float32'", "kd.kd_alpha=0.5", "variant.name='affine'", "train.eval_every=3"]
+    cli(["train", *sets(common + ["train.micro_batch=4"]), "--out", str(tmp_path / "single")])
+    torchrun(["-m", "affine_attention.cli", "train", *sets(common + ["train.micro_batch=2", "train.parallel='fsdp'"]),
+              "--out", str(tmp_path / "fsdp")], pythonpath=[str(REPO)])
+    for kind, keys in (("train", ("loss", "kd_loss")), ("eval", ("heldout_loss",))):
+        want, got = read_records(tmp_path / "single" / "metrics.jsonl", kind), \
+            read_records(tmp_path / "fsdp" / "metrics.jsonl", kind)
+        assert len(got) == len(want) > 0
+        for a, b in zip(got, want):
+            for k in keys:
+                assert abs(a[k] - b[k]) <= 1e-5, (kind, k, a[k], b[k])
