@@ -7,8 +7,9 @@ run_dir/checkpoints/step-00000100/ holds:
   optimizer.json                AdamW param_groups (the tensors are in state/)
   config.json, tokenizer files  what `affine-attention export` needs to write a transformers folder
   rng.safetensors, trainer_state.json, MANIFEST.json   as in the full format (checkpoint.py)
-Written into a hidden temporary folder named by rank 0; each rank hashes a share of the shards, rank 0 writes the
-manifest last and renames the folder (checkpoint.commit), so the name appears only once every rank is done.
+Written into a hidden temporary folder named by rank 0; each rank records the variant spec in the safetensors
+metadata of a share of the shards (hf/sharded.py; checked on every load) and hashes them, rank 0 writes the manifest
+last and renames the folder (checkpoint.commit), so the name appears only once every rank is done.
 With train.async_checkpoint the shards are written by a background thread on a process group of its own (as
 torchtitan does); the commit happens at the next save or at the end of the run, so until then the previous
 checkpoint is the newest one a resume sees.
