@@ -14,8 +14,11 @@ FSDP shard count, 1 without FSDP) was checked against peak RSS of the same confi
                  SwiGLU's four I-wide tensors) + in bf16 2 x 2h (autocast's copies of the matmul inputs), times L; with
                  activation checkpointing only each layer's fp32 input (4h per token per layer) plus one layer's full
                  set recomputed in backward; plus one layer's backward transients e (2h + 3I) per token
-  logits + loss  chunked (train.loss_chunk_tokens = c, 0 = b s; kd_chunked.py): 3 c V fp32 (logits, softmax,
-                 gradient) + the head gradient 4 V h + the hidden-state gradient 4 b s h
+  logits + loss  chunked (train.loss_chunk_tokens = c, 0 = b s; kd_chunked.py): n c V fp32, n the (c, V) tensors
+                 a chunk holds at once (CE alone 1: logits, log-softmax and gradient in place; full KD 3: + the
+                 teacher's logits and probabilities; top-k KD 1; + 1 for the CE's softmax when KD at T != 1 is mixed
+                 with CE) + the hidden-state gradient 4 b s h + with accumulation the head gradient 4 V h (the first
+                 micro-batch's is the head's .grad itself, counted in gradients)
   teacher        its weights (te = 2 or 4 bytes per teacher parameter): all of them in one process; under torchrun
                  sharded (distributed.shard_frozen): te (P_t / W + its embeddings and head, gathered for the loss, + two
                  layers, gathered one ahead), W ranks; plus one layer's forward activations and its chunk logits
@@ -128,7 +131,10 @@ def memory_terms(cfg: RunConfig, params: int, world: int, bf16: bool,
     saved = tokens * 4 * h * n_ckpt + layer * (L - n_ckpt) + (layer if n_ckpt else 0)
     t["activations"] = saved + tokens * e * (2 * h + 3 * inter)
     c = min(tc.loss_chunk_tokens or tokens, tokens)
-    t["logits + loss"] = 3 * c * V * 4 + 4 * V * h + 4 * tokens * h
+    kd = cfg.kd
+    n = 1 + (2 if kd.enabled and not kd.top_k else 0) + (1 if kd.enabled and kd.temperature != 1 and kd.kd_alpha < 1
+                                                         else 0)
+    t["logits + loss"] = n * c * V * 4 + (4 * V * h if n_micro > 1 else 0) + 4 * tokens * h
     t["teacher weights"] = t["teacher activations"] = 0.0
     if teacher is not None:
         te = 2 if cfg.kd.teacher_dtype == "bfloat16" or (cfg.kd.teacher_dtype == "auto" and bf16) else 4
