@@ -22,7 +22,8 @@ VERSION_SENSITIVE = frozenset({
     "test_mask_shapes.py", "test_masks_structured.py", "test_no_txs.py", "test_nonfinite_queries.py",
     "test_ops_errors.py", "test_ops_numerics.py", "test_ops_properties.py", "test_packing.py", "test_properties.py",
     "test_retrofit.py", "test_running_stats.py", "test_running_stats_protocol.py", "test_segment_sums.py",
-    "test_stats_distributed.py", "test_train_checkpoint.py", "test_transformers_serve.py", "test_train_compile_ac.py", "test_train_distributed.py",
+    "test_stats_distributed.py", "test_teacher_sharded.py", "test_train_checkpoint.py", "test_train_compile_ac.py",
+    "test_train_distributed.py", "test_transformers_serve.py",
     "test_train_fsdp_precision.py", "test_train_kd.py", "test_train_resume.py", "test_triton_kernels.py",
     "test_user_paths.py", "test_variants.py", "test_variants_distributed.py", "test_vllm.py",
     "test_vllm_serve.py",
@@ -32,7 +33,8 @@ VERSION_SENSITIVE = frozenset({
 # import graph): what they check does not depend on the torch or transformers version, so environment 1 is enough.
 VERSION_INDEPENDENT = frozenset({
     "test_analysis_metrics.py", "test_analyze_cli.py", "test_architecture.py", "test_claims.py", "test_cli.py",
-    "test_compare_progress.py", "test_compare_tasks.py", "test_config_validation.py", "test_corpus.py",
+    "test_compare_progress.py", "test_compare_shared_teacher.py",
+    "test_compare_tasks.py", "test_config_validation.py", "test_corpus.py",
     "test_data_backcopy.py", "test_dryrun.py", "test_e2e_compare.py", "test_eval_tasks_cli.py", "test_gradstats.py",
     "test_metrics_reader.py", "test_newcomer.py", "test_plots.py", "test_prepare_data.py", "test_report.py",
     "test_run_lock.py", "test_sink_probe.py", "test_stream_ranks.py", "test_suites.py", "test_train_compare.py",

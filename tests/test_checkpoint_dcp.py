@@ -1,6 +1,6 @@
 """Sharded (DCP) step checkpoints: a 2-rank FSDP2 run resumed from one continues bitwise as the uninterrupted run and
 each rank reads about half the state; a full-format checkpoint of an older run still resumes; a failed write leaves
-nothing; `export` writes the transformers folder of a step."""
+nothing; `export` writes the transformers folder of a step; the shards record the variant and a load refuses another."""
 from __future__ import annotations
 
 import shutil
@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from test_train_helpers import REPO, cli, read_records, sets, tiny  # noqa: F401  (fixture)
+from test_train_helpers import REPO, cli, read_records, sets, tiny, unfinish  # noqa: F401  (fixture)
 from torchrun_helpers import torchrun
 
 
@@ -18,8 +18,7 @@ def _losses(path):
 
 def _cut_after_checkpoint(run):
     """What a kill after the step checkpoint leaves: no final/, no result.json (the log is truncated on resume)."""
-    shutil.rmtree(run / "final")
-    (run / "result.json").unlink()
+    unfinish(run)
 
 
 @pytest.mark.slow
@@ -130,3 +129,37 @@ def test_export_writes_the_step_as_a_transformers_folder(tiny, tmp_path):
     out = cli(["export", "--run", str(tmp_path / "long"), "--out", str(tmp_path / "final-copy")])
     assert "final" in out.stdout and (tmp_path / "final-copy" / "model.safetensors").is_file()
     assert not (tmp_path / "final-copy" / "optimizer.safetensors").exists()
+
+
+def test_a_step_checkpoint_records_its_variant_and_refuses_another(tiny, tmp_path):
+    """The shards carry the variant spec in their safetensors metadata: loading the checkpoint with an edited
+    config.json, or resuming it as another variant, is refused naming both (both loaded silently before)."""
+    import json
+
+    from affine_attention.hf.load import load_model
+    from affine_attention.hf.sharded import shard_files
+    from affine_attention.hf.spec_record import recorded_spec
+    from affine_attention.train import checkpoint as ckpt
+    from affine_attention.train.config_load import load_config
+    from affine_attention.train.loop import train
+
+    cfg = load_config("tiny", tiny + ["train.steps=2", "variant.name='softmax'"])
+    run = tmp_path / "run"
+    train(cfg, run, log=lambda s: None)
+    step = run / "checkpoints" / "step-00000002"
+    assert ckpt.verify(step) is None  # the shards were stamped before they were hashed
+    assert [recorded_spec(f)["variant"] for f in shard_files(step)] == ["softmax"]
+    # final/ is the model alone: no optimizer, and not a checkpoint a resume reads.
+    assert json.loads((run / "final" / "MANIFEST.json").read_text())["format"] == ckpt.EXPORT
+    assert not (run / "final" / "optimizer.safetensors").exists()
+    assert ckpt.newest_intact(run, log=lambda s: None) == step
+    with pytest.raises(ValueError, match=r"weights were saved with \{'options': \{\}, 'variant': 'softmax'\}"):
+        train(cfg, run, resume=True, variant="off_by_one", log=lambda s: None)  # parameter-free: the same tensors
+    edited = tmp_path / "edited"
+    shutil.copytree(step, edited)
+    conf = json.loads((edited / "config.json").read_text())
+    conf["affine_attention"]["variant"] = "off_by_one"
+    (edited / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match=r"config.json's affine_attention is .*'off_by_one'.*saved with .*'softmax'"):
+        load_model(str(edited))
+    assert type(load_model(str(step))).__name__.startswith("Affine")  # the checkpoint as written loads

@@ -12,7 +12,7 @@ import torch
 from affine_attention.ops import affine_scaled_attention, sink_attention, softmax_attention
 from affine_attention.variants import AttentionShape, build_variant, parse_options
 
-from test_train_helpers import tiny  # noqa: F401  (fixture)
+from test_train_helpers import tiny, unfinish  # noqa: F401  (fixture)
 
 B, H, T, D = 2, 4, 5, 8
 SHAPE = AttentionShape(32, H, 2, D)
@@ -253,7 +253,7 @@ def test_nothing_written_is_replaced_and_a_lost_result_is_rebuilt(tiny, tmp_path
         (other / held).mkdir(parents=True)
         with pytest.raises(ValueError, match=rf"already holds a run \({held}\)"):
             _train(cfg, other)
-    with pytest.raises(ValueError, match=r"already holds a run \(final\)"):
+    with pytest.raises(ValueError, match=r"already holds a run \(final, checkpoints\)"):
         _train(cfg, run)
     assert (run / "final" / "model.safetensors").read_bytes() == weights
     # Killed between final/ and result.json: the resume rebuilds result.json with its held-out numbers.
@@ -280,8 +280,7 @@ def two_checkpoints(tiny, tmp_path):
                                       "variant.name='affine'"])
     run = tmp_path / "run"
     _train(cfg, run)
-    shutil.rmtree(run / "final")
-    (run / "result.json").unlink()
+    unfinish(run)
     return cfg, run
 
 

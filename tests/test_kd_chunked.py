@@ -121,3 +121,22 @@ def test_the_configs_default_chunk_is_the_losss():
 def test_a_negative_chunk_is_refused():
     with pytest.raises(ValueError, match="chunk must be >= 0"):
         head_loss(torch.zeros(2, 3), OutputHead(torch.zeros(4, 3)), torch.zeros(2, dtype=torch.long), chunk=-1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: the head's final softcap
+def test_heldout_loss_in_chunks_equals_the_full_logits_cross_entropy(family):
+    import contextlib
+
+    import torch.nn.functional as F
+
+    from affine_attention.train.steps import heldout_loss
+
+    seqs = torch.randint(0, 128, (5, 10), generator=torch.Generator().manual_seed(4))
+    for dtype, rel in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
+        model = tiny(family, "affine", dtype=dtype)
+        with torch.no_grad():  # what heldout_loss computed before it was chunked: whole logits per batch
+            want = sum(float(F.cross_entropy(model(input_ids=seqs[i:i + 2, :-1]).logits.to(dtype).flatten(0, 1),
+                                             seqs[i:i + 2, 1:].flatten(), reduction="sum"))
+                       for i in range(0, 5, 2)) / seqs[:, 1:].numel()
+        got = heldout_loss(model, seqs, 2, contextlib.nullcontext, chunk=7)  # chunks across rows and batches
+        assert got == pytest.approx(want, rel=rel), (dtype, got, want)

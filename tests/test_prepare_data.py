@@ -18,7 +18,7 @@ from affine_attention.train.data import TrainBatches, open_source
 from affine_attention.train.prefetch import Prefetcher
 from affine_attention.train.prepare import prepare
 from affine_attention.train.shards import TokenSource
-from test_train_helpers import read_records, sets, tiny, tok, write_jsonl  # noqa: F401  (fixtures)
+from test_train_helpers import read_records, sets, tiny, tok, unfinish, write_jsonl  # noqa: F401  (fixtures)
 
 SHARD_DOCS = 7  # 40 documents -> 6 shards, so some sequences span two shards
 
@@ -196,8 +196,7 @@ def test_prepare_data_then_train_reads_the_same_batches_as_the_in_memory_run_and
     losses = [(r["step"], r["loss"], r["grad_norm"]) for r in read_records(ref / "metrics.jsonl")]
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in read_records(run / "metrics.jsonl")] == losses
     # What a kill after the step-2 checkpoint leaves; the resume continues from the cursor to the same losses.
-    shutil.rmtree(run / "final")
-    (run / "result.json").unlink()
+    unfinish(run)
     assert main(["train", *sets(tokens), "--out", str(run), "--resume"]) == 0
     assert [r["step"] for r in read_records(run / "metrics.jsonl", "resume")] == [2]
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in read_records(run / "metrics.jsonl")] == losses

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 
 import pytest
 
-from test_train_helpers import REPO, read_records, tiny  # noqa: F401  (fixture)
+from test_train_helpers import REPO, read_records, tiny, unfinish  # noqa: F401  (fixture)
 
 STEPS = ["train.steps=4", "train.checkpoint_every=2", "variant.name='affine'"]
 
@@ -35,8 +34,7 @@ def stopped_run(tiny, tmp_path):
     cfg = load_config("tiny", tiny + STEPS)
     run = tmp_path / "run"
     train(cfg, run, log=lambda m: None)
-    shutil.rmtree(run / "final")
-    (run / "result.json").unlink()
+    unfinish(run)
     return cfg, run
 
 

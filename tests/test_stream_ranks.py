@@ -3,14 +3,13 @@ unique over the ranks, and a checkpoint's position is refused by a run with anot
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 
 from affine_attention.train.config import SourceConfig
 from affine_attention.train.data import PackedStream, TrainBatches, documents, tokenize_documents
-from test_train_helpers import read_records, sets, tiny, tok, write_jsonl  # noqa: F401  (fixtures)
+from test_train_helpers import read_records, sets, tiny, tok, unfinish, write_jsonl  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +74,7 @@ def test_two_ranks_on_a_hub_stream_resume_to_the_same_losses(tiny, tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     for out in (ref, run):
         torchrun(["-m", "affine_attention.cli", "train", *sets(common), "--out", str(out)], pythonpath=[str(REPO)])
-    shutil.rmtree(run / "final")  # what a kill after the step-2 checkpoint leaves
-    (run / "result.json").unlink()
+    unfinish(run)  # what a kill after the step-2 checkpoint leaves
     torchrun(["-m", "affine_attention.cli", "train", *sets(common), "--out", str(run), "--resume"],
              pythonpath=[str(REPO)])
     assert [r["step"] for r in read_records(run / "metrics.jsonl", "resume")] == [2]

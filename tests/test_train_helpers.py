@@ -105,3 +105,16 @@ def cli_in_process(args: list[str]) -> subprocess.CompletedProcess:
 
 def sets(overrides: list[str]) -> list[str]:
     return [x for o in overrides for x in ("--set", o)]
+
+
+def unfinish(run: Path) -> None:
+    """What a kill after the last periodic checkpoint leaves of a finished run: no final/, no result.json and no
+    checkpoint of the last step (the trainer writes it with final/; the full format of older runs did not)."""
+    import shutil
+
+    step = json.loads((run / "final" / "MANIFEST.json").read_text())["step"]
+    shutil.rmtree(run / "final")
+    last = run / "checkpoints" / f"step-{step:08d}"
+    if last.is_dir():
+        shutil.rmtree(last)
+    (run / "result.json").unlink()

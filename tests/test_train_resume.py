@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from test_train_helpers import cli, read_records, sets, tiny  # noqa: F401  (fixture)
+from test_train_helpers import cli, read_records, sets, tiny, unfinish  # noqa: F401  (fixture)
 
 STEPS = 40
 
@@ -61,7 +61,7 @@ def test_resume_refuses_a_changed_config_and_a_missing_run(tiny, tmp_path):
 
     cfg = load_config("tiny", tiny + ["train.steps=2", "variant.name='sink'"])
     train(cfg, tmp_path / "r", log=lambda m: None)
-    with pytest.raises(ValueError, match=r"already holds a run \(metrics.jsonl, result.json, final\)"):
+    with pytest.raises(ValueError, match=r"already holds a run \(metrics.jsonl, result.json, final, checkpoints\)"):
         train(cfg, tmp_path / "r", log=lambda m: None)
     with pytest.raises(ValueError, match=r"different config \(optim.lr: checkpoint 0.003, now 0.5\)"):
         train(load_config("tiny", tiny + ["train.steps=2", "variant.name='sink'", "optim.lr=0.5"]), tmp_path / "r",
@@ -84,6 +84,7 @@ def _killed_before_first_checkpoint(run):
 
     shutil.rmtree(run / "final")
     (run / "result.json").unlink()
+    shutil.rmtree(run / "checkpoints")  # the last step's, written with final/
     (run / "checkpoints").mkdir()
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "step": 9, "lo')  # a line cut by the kill
@@ -134,15 +135,12 @@ def test_compare_resume_restarts_a_sub_run_killed_before_its_first_checkpoint(ti
 def test_resume_with_another_architecture_is_refused_before_any_weight_is_read(tiny, tmp_path):
     """The config check comes before the checkpoint's tensors are loaded: another width used to end in a
     size-mismatch RuntimeError from the state-dict load instead of naming the changed setting."""
-    import shutil
-
     from affine_attention.train.config_load import load_config
     from affine_attention.train.loop import train
 
     run = tmp_path / "r"
     train(load_config("tiny", tiny + ["train.steps=2", "train.checkpoint_every=1"]), run, log=lambda m: None)
-    shutil.rmtree(run / "final")  # an unfinished run: resume reads its step checkpoint
-    (run / "result.json").unlink()
+    unfinish(run)  # an unfinished run: resume reads its step checkpoint
     with pytest.raises(ValueError, match=r"different config \(model.hidden_size: checkpoint 32, now 64"):
         train(load_config("tiny", tiny + ["train.steps=2", "train.checkpoint_every=1", "model.hidden_size=64"]), run,
               resume=True, log=lambda m: None)

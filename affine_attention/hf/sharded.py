@@ -1,6 +1,7 @@
 """A model from the trainer's sharded step checkpoints (torch.distributed.checkpoint shards under `state/`), so every
 loader (analyze, eval, the report, export) reads them as it reads a transformers folder; the format is written by
-train/checkpoint_dcp.py."""
+train/checkpoint_dcp.py. Each shard records the variant spec in its safetensors metadata, as save_pretrained's files
+do (spec_record.py), and every load compares it with config.json's."""
 from __future__ import annotations
 
 import math
@@ -30,6 +31,28 @@ def distinct(sd: dict[str, torch.Tensor]) -> dict[str, str]:
         else:
             seen[key] = name
     return aliases
+
+
+def shard_files(path: str | Path) -> list[Path]:
+    """The safetensors shards of a step checkpoint's state/ folder (model and optimizer tensors)."""
+    return sorted((Path(path) / STATE).glob("*.safetensors"))
+
+
+def stamp_spec(files: list[Path], config) -> None:
+    """Record the variant spec of `config` in the metadata of each shard (after DCP wrote them; each rank its share)."""
+    from . import layers, spec_record
+
+    record = spec_record.spec_metadata(layers.spec_from_config(config))
+    for f in files:
+        spec_record.stamp(str(f), record)
+
+
+def check_spec(path: str | Path, config) -> None:
+    """Refuse step checkpoint `path` when the variant spec its shards record differs from `config`'s (its
+    config.json, or the model a resume loads into), naming both; shards that record none (older runs) warn."""
+    from . import spec_record
+
+    spec_record.check_weights_spec(config, shard_files(path), f"the step checkpoint {path}")
 
 
 def reader_for(path: Path):
@@ -65,6 +88,7 @@ def load_sharded_model(path: str | Path, dtype: torch.dtype | None = None):
     register()  # the converted architectures, so that AutoConfig reads their configs
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
+    check_spec(path, config)
     # Built for real, not on meta + to_empty: non-persistent buffers (RoPE's inv_freq, constant sinks) are in no
     # checkpoint and must come from the constructors.
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

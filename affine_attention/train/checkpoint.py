@@ -1,7 +1,7 @@
 """Atomic, verifiable training checkpoints: the manifest, the atomic commit and the recovery every format shares, and
 the full format (1): a transformers-loadable safetensors folder plus the training state, written by rank 0.
 
-run_dir/final/ (and step checkpoints of runs from before the sharded format, which still resume) holds:
+The final/ of runs from before the export format, and their step checkpoints (both still resume), hold:
   config.json, model*.safetensors, generation_config.json  save_pretrained output (AutoModel loadable)
   tokenizer files                                          the run's tokenizer
   optimizer.safetensors, optimizer.json                    AdamW tensors by parameter name / param_groups
@@ -27,8 +27,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 MANIFEST = "MANIFEST.json"
-# 1: a full folder written by rank 0 (this module); 2: sharded, every rank writes its part (checkpoint_dcp.py).
-FORMATS = (1, 2)
+# 1: a full folder written by rank 0 (this module); 2: sharded, every rank writes its part (checkpoint_dcp.py);
+# 3 (EXPORT): final/, the model alone as a transformers folder (export.write_final): loaded, never resumed.
+EXPORT = 3
+FORMATS = (1, 2, EXPORT)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -73,7 +75,7 @@ def step_name(step: int) -> str:
 
 def save(target: Path, *, model, model_sd: dict, optim_sd: dict, tokenizer, trainer_state: dict) -> Path:
     """Write a full (format 1) checkpoint atomically to `target` (replacing an older one of the same name). Rank 0
-    only. The run's final/ is written this way; step checkpoints are sharded (checkpoint_dcp.py).
+    only. Runs write sharded step checkpoints (checkpoint_dcp.py) and final/ as an export (export.write_final).
 
     model: the unwrapped transformers model (for its config); model_sd, optim_sd: full CPU state dicts.
     """
@@ -190,13 +192,16 @@ def unlisted(path: Path) -> list[str]:
                   if p.is_file() and p.name != MANIFEST and str(p.relative_to(path)) not in listed)
 
 
-def candidates(run_dir: Path) -> list[tuple[int, Path]]:
-    """Checkpoint folders of a run as (step, path), newest first (`final` counts with its step)."""
+def candidates(run_dir: Path, exports: bool = False) -> list[tuple[int, Path]]:
+    """Checkpoint folders of a run as (step, path), newest first (`final` counts with its step); an export (final/
+    of format EXPORT, the model alone) only with `exports`."""
     found = []
     for p in list((Path(run_dir) / "checkpoints").glob("step-*")) + [Path(run_dir) / "final"]:
         if not p.is_dir():
             continue
         manifest, _ = _manifest(p)
+        if manifest is not None and manifest["format"] == EXPORT and not exports:
+            continue
         if manifest is not None:
             step = manifest["step"]
         else:

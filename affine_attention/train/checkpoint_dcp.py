@@ -7,8 +7,9 @@ run_dir/checkpoints/step-00000100/ holds:
   optimizer.json                AdamW param_groups (the tensors are in state/)
   config.json, tokenizer files  what `affine-attention export` needs to write a transformers folder
   rng.safetensors, trainer_state.json, MANIFEST.json   as in the full format (checkpoint.py)
-Written into a hidden temporary folder named by rank 0; each rank hashes a share of the shards, rank 0 writes the
-manifest last and renames the folder (checkpoint.commit), so the name appears only once every rank is done.
+Written into a hidden temporary folder named by rank 0; each rank records the variant spec in the safetensors
+metadata of a share of the shards (hf/sharded.py; checked on every load) and hashes them, rank 0 writes the manifest
+last and renames the folder (checkpoint.commit), so the name appears only once every rank is done.
 With train.async_checkpoint the shards are written by a background thread on a process group of its own (as
 torchtitan does); the commit happens at the next save or at the end of the run, so until then the previous
 checkpoint is the newest one a resume sees.
@@ -24,7 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..hf.sharded import STATE, distinct, reader_for
+from ..hf.sharded import STATE, check_spec, distinct, reader_for, stamp_spec
+from ..hf.spec_record import check_weights_spec, weights_files
 from . import checkpoint as ckpt
 from .distributed import DistInfo, barrier, load_full_state
 
@@ -105,7 +107,7 @@ class ShardedSaver:
             self._discard(tmp)
             raise
         self.pending = (future, tmp, target, {"format": FORMAT, "step": trainer_state["step"],
-                                              "world_size": info.world}, after)
+                                              "world_size": info.world}, after, hf_model.config)
         if not self.background:
             self.wait()
 
@@ -114,14 +116,16 @@ class ShardedSaver:
         last and the folder renamed by rank 0. Collective."""
         if self.pending is None:
             return
-        future, tmp, target, head, after = self.pending
+        future, tmp, target, head, after, config = self.pending
         self.pending = None
         info = self.info
         try:
             _together(lambda: future.result() if future is not None else None, info)
             barrier(info)  # every shard is on disk before any rank lists them
             shards = sorted(p for p in (tmp / STATE).iterdir() if p.is_file())
-            mine = _together(lambda: ckpt.file_table(tmp, shards[info.rank::info.world]), info)
+            share = shards[info.rank::info.world]
+            # The variant spec into each shard's metadata (a rewrite of its header) before it is hashed
+            mine = _together(lambda: stamp_spec(share, config) or ckpt.file_table(tmp, share), info)
             tables = _gather(mine, info)
 
             def finish():
@@ -141,6 +145,11 @@ class ShardedSaver:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def on_main(fn, info: DistInfo) -> Any:
+    """fn() on rank 0 while the others wait; a failure there raises on every rank (collective)."""
+    return _together(fn, info, run=info.is_main)
+
+
 def load_groups(path: Path) -> list[dict]:
     groups = json.loads((Path(path) / "optimizer.json").read_text())["param_groups"]
     return [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in groups]
@@ -153,13 +162,22 @@ def newest(run_dir: Path, info: DistInfo, log=print) -> Path:
     return Path(_gather(found, info)[0])
 
 
-def restore(path: Path, model, optimizer, info: DistInfo, tied: bool) -> dict[str, Any]:
+def restore(path: Path, model, optimizer, info: DistInfo, tied: bool, config=None) -> dict[str, Any]:
     """Load checkpoint `path` (either format) into the wrapped model and optimizer. Returns {"trainer_state",
-    "rng", "read": {"bytes_per_rank", "bytes_total"}} (bytes of tensor data each rank read; collective)."""
+    "rng", "read": {"bytes_per_rank", "bytes_total"}} (bytes of tensor data each rank read; collective).
+    config: the model's config, whose variant spec a sharded checkpoint's must equal."""
     path = Path(path)
     manifest, problem = ckpt._manifest(path)
     if problem:
         raise ValueError(f"checkpoint {path}: {problem}")
+    if manifest["format"] == ckpt.EXPORT:
+        raise ValueError(f"{path} holds the model alone (an export: no optimizer, RNG or data position); resume from "
+                         "a step checkpoint under checkpoints/")
+    if config is not None:  # the variant the shards / weights files record, before any tensor is read
+        if manifest["format"] == 1:
+            check_weights_spec(config, weights_files(path), f"the checkpoint {path}")
+        else:
+            check_spec(path, config)
     if manifest["format"] == 1:  # a full checkpoint (final/, or a run from before sharding): every rank reads all
         state = ckpt.load_training_state(path)
         missing = load_full_state(model, optimizer, state["model"], state["optimizer"])

@@ -43,7 +43,9 @@ def dry_run(args, compare: bool = False) -> int:
     r = dry_run(cfg, world, args.gpu)
     print(format_dry_run(r, cfg.variant.name))
     if compare:
-        print(compare_estimate(r, len(cfg.compare.variants), args.seeds or cfg.compare.seeds))
+        from .compare import shares_teacher
+
+        print(compare_estimate(r, len(cfg.compare.variants), args.seeds or cfg.compare.seeds, shares_teacher(cfg)))
     return 0
 
 

@@ -8,6 +8,10 @@ Output layout (run_dir):
   config.json                    the resolved config
   <variant>/seed<k>/metrics.jsonl, result.json, final/   each run (see run_dir.py); final/ is transformers-loadable
 A report can be regenerated later from these files alone.
+
+With a live KD teacher (compare.share_teacher), a seed's variants see the same batches, so they are stepped in
+lockstep in this process and share one teacher forward per micro-batch (kd.Teacher.share) instead of running the
+teacher once per variant; each run's numbers are those it gets alone.
 """
 from __future__ import annotations
 
@@ -84,6 +88,37 @@ def _clock(seconds: float) -> str:
     return f"{m}m{s:02d}s" if m else f"{s}s"
 
 
+def shares_teacher(cfg: RunConfig) -> bool:
+    """Whether compare steps a seed's variants in lockstep on one live teacher (a top-k cache is shared anyway)."""
+    return cfg.compare.share_teacher and cfg.kd.enabled and not cfg.kd.cache and len(cfg.compare.variants) > 1
+
+
+def lockstep(cfg: RunConfig, runs: list[tuple[str, Path, bool]], *, base_model, seed: int, log=print) -> list[dict]:
+    """Train runs [(variant, run folder, resume)] of one seed step by step side by side, sharing the first run's
+    KD teacher and its forward of each micro-batch; returns their summaries in order."""
+    from .loop import Trainer
+    from .model import variant_options
+
+    trainers: list[Trainer] = []
+    try:
+        for variant, run_dir, resume in runs:
+            trainers.append(Trainer(cfg, run_dir, resume=resume, base_model=base_model, variant=variant,
+                                    variant_options=variant_options(cfg, variant), label=f"{variant} s{seed}", log=log,
+                                    teacher=trainers[0].teacher if trainers else None))
+        trainers[0].teacher.share(trainers[0].n_micro)
+        done = [t.open_run() for t in trainers]
+        live = [t for t, d in zip(trainers, done) if d is None]
+        for s in range(min((t.start_step for t in live), default=cfg.train.steps), cfg.train.steps):
+            for t in live:
+                if s >= t.start_step:  # a run killed between its peers' checkpoints resumes a step behind
+                    t.train_step(s)
+                    t.on_schedule(s + 1)
+        return [d if d is not None else t.close_run() for t, d in zip(trainers, done)]
+    finally:
+        for t in trainers:
+            t.close()
+
+
 def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, resume: bool = False,
             log=print) -> dict[str, Any]:
     """Train every variant for every seed (`seeds`, default compare.seeds) into out_dir and write summary.json /
@@ -111,6 +146,20 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, re
     for k in range(seeds):
         seed_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=cfg.train.seed + k))
         base = base_model(cfg, seed_cfg.train.seed, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        if shares_teacher(cfg):
+            runs = [(v, out_dir / v / f"seed{k}", resume and (out_dir / v / f"seed{k}" / "metrics.jsonl").is_file())
+                    for v in cfg.compare.variants if (k, v) in todo]
+            for v in cfg.compare.variants:
+                if (k, v) not in todo:
+                    log(f"[compare] {v} seed {k}: already done, reusing {out_dir / v / f'seed{k}' / 'result.json'}")
+            log(overall_line(k * len(cfg.compare.variants) + 1, n_runs, time.time() - t0, trained, len(todo) - trained)
+                + f"; seed {k}: {', '.join(v for v, _, _ in runs)} in lockstep, one teacher forward shared")
+            got = dict(zip([v for v, _, _ in runs], lockstep(seed_cfg, runs, base_model=base, seed=k, log=log)
+                           if runs else []))
+            for v in cfg.compare.variants:
+                results[v].append(got[v] if v in got else read_result(out_dir / v / f"seed{k}"))
+            trained += len(runs)
+            continue
         for variant in cfg.compare.variants:
             run_dir = out_dir / variant / f"seed{k}"
             done = run_dir / "result.json"

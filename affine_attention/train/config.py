@@ -257,6 +257,9 @@ class CompareConfig:
     variants: list[str] = field(default_factory=lambda: ["softmax", "sink", "affine"])
     seeds: int = count(1, ge=1)
     options: dict = field(default_factory=dict)  # per-variant options, e.g. {affine = {activation = "sigmoid"}}
+    # With a live KD teacher: a seed's variants train in lockstep, one teacher forward per micro-batch for all of them
+    # (every variant's model and optimizer in memory at once); false: one after another, the teacher run for each.
+    share_teacher: bool = True
 
 
 @dataclass

@@ -97,6 +97,23 @@ def wrap(model: nn.Module, info: DistInfo, parallel: str, bf16: bool = False) ->
     return model
 
 
+def shard_frozen(model: nn.Module) -> nn.Module:
+    """FSDP2 for a frozen model that only runs forwards (a KD teacher): each decoder layer and the root sharded across
+    ranks in the dtype the model was loaded in, with no gradients and no optimizer state. A layer's parameters are
+    gathered for its forward and freed after it, so a rank holds 1/world of the model plus one layer at a time; the
+    caller gathers the root (embeddings, final norm, head) with `unshard` when the loss reads the head, and frees it
+    with `reshard`.
+    Collective: every rank must call the model's forward the same number of times."""
+    from torch.distributed.fsdp import fully_shard
+
+    from .blocks import decoder_layers
+
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=True)
+    fully_shard(model, reshard_after_forward=True)
+    return model
+
+
 @contextlib.contextmanager
 def accumulation(model: nn.Module, info: DistInfo, sync: bool):
     """Skip the gradient all-reduce on micro-batches before the last of a step (same result, less traffic)."""

@@ -14,10 +14,16 @@ FSDP shard count, 1 without FSDP) was checked against peak RSS of the same confi
                  SwiGLU's four I-wide tensors) + in bf16 2 x 2h (autocast's copies of the matmul inputs), times L; with
                  activation checkpointing only each layer's fp32 input (4h per token per layer) plus one layer's full
                  set recomputed in backward; plus one layer's backward transients e (2h + 3I) per token
-  logits + loss  chunked (train.loss_chunk_tokens = c, 0 = b s; kd_chunked.py): 3 c V fp32 (logits, softmax,
-                 gradient) + the head gradient 4 V h + the hidden-state gradient 4 b s h
-  teacher        its weights (2 or 4 bytes per teacher parameter, unsharded), one layer's forward activations and its
-                 chunk logits
+  logits + loss  chunked (train.loss_chunk_tokens = c, 0 = b s; kd_chunked.py): n c V fp32, n the (c, V) tensors
+                 a chunk holds at once (CE alone 1: logits, log-softmax and gradient in place; full KD 3: + the
+                 teacher's logits and probabilities; top-k KD 1; + 1 for the CE's softmax when KD at T != 1 is mixed
+                 with CE) + the hidden-state gradient 4 b s h + with accumulation the head gradient 4 V h (the first
+                 micro-batch's is the head's .grad itself, counted in gradients)
+  teacher        its weights (te = 2 or 4 bytes per teacher parameter): all of them in one process; under torchrun
+                 sharded (distributed.shard_frozen): te (P_t / W + its embeddings and head, gathered for the loss, + two
+                 layers, gathered one ahead), W ranks; plus one layer's forward activations and its chunk logits
+A compare with a shared teacher (compare.share_teacher) keeps every variant's parameters and optimizer state resident
+(compare_estimate says how much more that is) and runs the teacher once per step for all of them.
 """
 from __future__ import annotations
 
@@ -125,11 +131,18 @@ def memory_terms(cfg: RunConfig, params: int, world: int, bf16: bool,
     saved = tokens * 4 * h * n_ckpt + layer * (L - n_ckpt) + (layer if n_ckpt else 0)
     t["activations"] = saved + tokens * e * (2 * h + 3 * inter)
     c = min(tc.loss_chunk_tokens or tokens, tokens)
-    t["logits + loss"] = 3 * c * V * 4 + 4 * V * h + 4 * tokens * h
+    kd = cfg.kd
+    n = 1 + (2 if kd.enabled and not kd.top_k else 0) + (1 if kd.enabled and kd.temperature != 1 and kd.kd_alpha < 1
+                                                         else 0)
+    t["logits + loss"] = n * c * V * 4 + (4 * V * h if n_micro > 1 else 0) + 4 * tokens * h
     t["teacher weights"] = t["teacher activations"] = 0.0
     if teacher is not None:
         te = 2 if cfg.kd.teacher_dtype == "bfloat16" or (cfg.kd.teacher_dtype == "auto" and bf16) else 4
         t["teacher weights"] = te * model_params(teacher)
+        if world > 1:  # sharded; the root (embeddings, head) gathered while the loss reads the head
+            layers = teacher.num_layers * _layer_params(teacher)
+            t["teacher weights"] = te * (model_params(teacher) / world + model_params(teacher) - layers +
+                                         2 * _layer_params(teacher))
         t["teacher activations"] = tokens * te * (3 * teacher.hidden_size + 2 * teacher.intermediate_size) + \
             2 * c * teacher.vocab_size * 4
     step_temp = 4 * params / F
@@ -213,10 +226,20 @@ def format_dry_run(r: dict[str, Any], variant: str) -> str:
     return "\n".join(lines)
 
 
-def compare_estimate(r: dict[str, Any], variants: int, seeds: int) -> str:
-    """The wall-clock line of `compare --dry-run`: every variant x seed trained one after another."""
-    hours = r["throughput"]["run_hours"] * variants * seeds
-    return (f"ESTIMATED compare wall clock: {variants} variants x {seeds} seed(s) x {r['steps']:,} steps = "
-            f"{hours:,.1f} h ({hours / 24:.1f} days) on {r['world']} x {r['throughput']['gpu'].upper()} at the "
+def compare_estimate(r: dict[str, Any], variants: int, seeds: int, shared: bool = False) -> str:
+    """The wall-clock line of `compare --dry-run`: every variant x seed trained one after another, or, with a shared
+    live teacher (compare.shares_teacher), a seed's variants in lockstep with one teacher forward per step."""
+    t = r["throughput"]
+    hours = t["run_hours"] * variants * seeds
+    how = "one after another"
+    if shared and t["teacher_flops_per_token"]:
+        s, te = t["student_flops_per_token"], t["teacher_flops_per_token"]
+        hours = t["run_hours"] * seeds * (variants * s + te) / (s + te)
+        m = r["memory"]
+        how = (f"in lockstep, one teacher forward per micro-batch for all; the {variants} variants' parameters and "
+               f"optimizer state resident together: +{(variants - 1) * (m['parameters'] + m['optimizer']) / 2**30:.2f}"
+               " GiB per GPU over the peak above")
+    return (f"ESTIMATED compare wall clock: {variants} variants x {seeds} seed(s) x {r['steps']:,} steps, {how} = "
+            f"{hours:,.1f} h ({hours / 24:.1f} days) on {r['world']} x {t['gpu'].upper()} at the "
             f"assumed MFU (evaluation and checkpoints not included)")
 

@@ -1,5 +1,6 @@
 """`affine-attention export`: one checkpoint of a run (a sharded step checkpoint or final/) as a transformers-loadable
-folder (model safetensors with the variant, config, tokenizer), written atomically into a new folder."""
+folder (model safetensors with the variant, config, tokenizer), written atomically into a new folder; and a run's
+final/, the same export of its last step checkpoint with a manifest (format EXPORT)."""
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ _TRAINING_FILES = {"optimizer.safetensors", "optimizer.json", "rng.safetensors",
 
 def pick(run_dir: Path, step: int | None) -> Path:
     """The intact checkpoint of `run_dir` at `step` (final/ when it is that step), or the newest intact one."""
-    found = ckpt.candidates(run_dir)
+    found = ckpt.candidates(run_dir, exports=True)
     if not found:
         raise ValueError(f"export: no checkpoint in {run_dir} (looked in checkpoints/step-* and final/); "
                          "pass the --out folder of a train run")
@@ -45,7 +46,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Pat
     tmp = ckpt.temporary(out)
     tmp.mkdir(parents=True)
     try:
-        if fmt == 1:  # already a transformers folder: everything but the training state
+        if fmt in (1, ckpt.EXPORT):  # already a transformers folder: everything but the training state
             for f in path.iterdir():
                 if f.is_file() and f.name not in _TRAINING_FILES:
                     shutil.copy2(f, tmp / f.name)
@@ -65,3 +66,20 @@ def _write_sharded(path: Path, tmp: Path) -> None:
 
     load_sharded_model(path).save_pretrained(tmp)
     AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
+
+
+def write_final(step_path: Path, target: Path) -> None:
+    """A run's final/: the model of its step checkpoint `step_path` (read from its shards, the optimizer's left on
+    disk) as a transformers folder, with the run's trainer_state.json and a manifest (format EXPORT), committed
+    atomically. One process (rank 0)."""
+    step_path, target = Path(step_path), Path(target)
+    tmp = ckpt.temporary(target)
+    tmp.mkdir(parents=True)
+    try:
+        _write_sharded(step_path, tmp)
+        shutil.copy2(step_path / "trainer_state.json", tmp)  # the run's config and step (analyze reads its data)
+        step = ckpt._manifest(step_path)[0]["step"]
+        ckpt.commit(tmp, target, {"format": ckpt.EXPORT, "step": step}, ckpt.file_table(tmp))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

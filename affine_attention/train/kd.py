@@ -12,7 +12,8 @@ The cached and the live teacher give identical values for the same k (the cache 
 
 These full-logits functions are the reference; training computes the same loss in token chunks (kd_chunked.py).
 The live teacher runs under torch.no_grad without a KV cache and hands over its final hidden states, so its logits
-are made chunk by chunk too; one full copy of it per rank (not sharded), in teacher_dtype.
+are made chunk by chunk too. Under torchrun it is sharded with FSDP2 across the ranks (distributed.shard_frozen, in
+teacher_dtype, no gradients or optimizer state): a rank holds 1/world of its layers instead of a full copy.
 """
 from __future__ import annotations
 
@@ -83,6 +84,15 @@ def teacher_dtype(cfg: KDConfig, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.teacher_dtype]
 
 
+def _any_rank(mine: bool, device: torch.device) -> bool:
+    """Whether any rank says True (collective)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(mine)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 class Teacher:
     """Teacher targets for a micro-batch: live forwards, or the on-disk top-k cache filled on first use.
 
@@ -91,14 +101,17 @@ class Teacher:
 
     def __init__(self, cfg: KDConfig, *, student_tok, student_tok_spec: str, student_vocab: int, data_key: str,
                  seq_len: int, device: torch.device, rank: int = 0, doc_sep: int | None = None,
-                 chunk: int = CHUNK_TOKENS, compile: bool = False):
+                 chunk: int = CHUNK_TOKENS, compile: bool = False, shard: bool = False):
         # doc_sep: the separator id under document masking; the teacher then sees the student's document boundaries.
-        self.cfg, self.device, self.rank, self.doc_sep = cfg, device, rank, doc_sep
+        # shard: the run is distributed, so the teacher is sharded across its ranks (every rank calls `targets`
+        # for every micro-batch: its forwards are collective).
+        self.cfg, self.device, self.rank, self.doc_sep, self.shard = cfg, device, rank, doc_sep, shard
         self.chunk = chunk  # tokens per chunk of the live top-k (train.loss_chunk_tokens)
         self.compile = compile  # compile its decoder blocks as the student's (train.compile)
         self.dtype = teacher_dtype(cfg, device)
         self._model = None
         self.cache = None
+        self.keep, self.memo = 0, {}  # `share`
         student_fp = vocab_fingerprint(student_tok)
         meta = None
         if cfg.cache:
@@ -130,7 +143,16 @@ class Teacher:
                 from .blocks import compile_blocks
 
                 compile_blocks(self._model)
+            if self.shard:
+                from .distributed import shard_frozen
+
+                shard_frozen(self._model)
         return self._model
+
+    def release(self) -> None:
+        """After the loss has read the teacher's head: a sharded teacher frees its gathered root (embeddings, head)."""
+        if self.shard and self._model is not None:
+            self._model.reshard()
 
     @torch.no_grad()
     def _forward(self, inputs: Tensor) -> dict[str, Tensor]:
@@ -138,19 +160,25 @@ class Teacher:
         loss), or its top k logits per token, made chunk by chunk here. Never a KV cache: one forward per batch."""
         model_kwargs = {**model_inputs(inputs.to(self.device), self.doc_sep), "use_cache": False}
         hidden = final_hidden(self.model, model_kwargs)  # (B, T, Ht)
+        if self.shard:  # the root reshards after a forward without grad: gather the head once more for the loss
+            self.model.unshard()
         head = output_head(self.model)
         if self.cfg.top_k == 0:
-            return {"hidden": hidden, "head": head}
-        return topk_chunked(hidden, head, self.cfg.top_k, self.chunk)
+            return {"hidden": hidden, "head": head}  # `release` after the loss
+        top = topk_chunked(hidden, head, self.cfg.top_k, self.chunk)
+        self.release()
+        return top
 
     def targets(self, inputs: Tensor, ids: Tensor) -> dict[str, Tensor]:
         """inputs: (B, T) int64, ids: (B,) sequence ids -> {"hidden": (B, T, Ht), "head": OutputHead} (full KD) or
         {"values", "indices": (B, T, k)} (top-k), as `kd_chunked.head_loss` takes them."""
         if self.cache is None:
-            return self._forward(inputs)
+            return self._shared(inputs, ids) if self.keep else self._forward(inputs)
         found = self.cache.get(ids.tolist())
         missing = [i for i, row in enumerate(found) if row is None]
-        if missing:
+        if self.shard and not missing and _any_rank(False, self.device):
+            self._forward(inputs[:1])  # a peer's forward is collective: join it, the result is not needed here
+        elif missing and (not self.shard or _any_rank(True, self.device)):
             fresh = self._forward(inputs[missing])
             self.cache.put(ids[missing].tolist(), fresh["values"].cpu(), fresh["indices"].cpu())
             for j, i in enumerate(missing):
@@ -158,6 +186,28 @@ class Teacher:
         values = torch.stack([v for v, _ in found]).to(self.device)
         indices = torch.stack([x for _, x in found]).to(self.device)
         return {"values": values, "indices": indices}
+
+    def share(self, micro_batches: int) -> None:
+        """Keep the live targets of the last `micro_batches` micro-batches, so runs stepped in lockstep on the same
+        data (compare's variants) share one teacher forward per micro-batch. Holds that many (b, T, Ht) hidden
+        states (or top-k rows); a sharded teacher gathers its root again for each run that reads them."""
+        self.keep = micro_batches
+
+    def _shared(self, inputs: Tensor, ids: Tensor) -> dict[str, Tensor]:
+        key = tuple(ids.tolist())
+        kept = self.memo.get(key)
+        if kept is not None and torch.equal(kept[0], inputs):
+            out = dict(kept[1])
+            if "hidden" in out:
+                if self.shard:  # every rank hits here together: its peers step the same runs in the same order
+                    self.model.unshard()
+                out["head"] = output_head(self.model)
+            return out
+        out = self._forward(inputs)
+        self.memo[key] = (inputs.clone(), {k: v for k, v in out.items() if k != "head"})
+        while len(self.memo) > self.keep:
+            self.memo.pop(next(iter(self.memo)))
+        return out
 
     def flush(self) -> None:
         if self.cache is not None:

@@ -18,7 +18,8 @@ from .blocks import prepare_blocks
 from .config import RunConfig
 from .config_load import validate
 from .data import TrainBatches, data_key, eval_sequences, open_source, separator_id
-from .distributed import DistInfo, all_equal, all_reduce_sum, barrier, full_state, setup, wrap
+from .distributed import DistInfo, all_equal, all_reduce_sum, barrier, setup, wrap
+from .export import write_final
 from .kd import Teacher
 from .metrics import HostSyncs, MetricsLog, Progress, StepCost, TokenStats, running_buffers, state_per_layer
 from .model import base_model as start_model
@@ -39,11 +40,12 @@ class Trainer:
 
     base_model: an unconverted model to start from (compare passes one per seed so all variants share weights);
     by default one is built from cfg.model and cfg.train.seed. variant/variant_options default to [variant].
+    teacher: another run's KD teacher to share (compare's variants stepped in lockstep); by default one of its own.
     """
 
     def __init__(self, cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, base_model=None,
                  variant: str | None = None, variant_options: dict | None = None, label: str | None = None,
-                 log=print):
+                 log=print, teacher: Teacher | None = None):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -60,7 +62,7 @@ class Trainer:
         self.lock: RunLock | None = None
         self.hold_folder()  # a folder that exists already: before minutes of building, so a second process stops
         try:
-            self.build(base_model)
+            self.build(base_model, teacher)
         except BaseException:
             self.close()
             raise
@@ -80,7 +82,7 @@ class Trainer:
             self.lock.release()
             self.lock = None
 
-    def build(self, base_model) -> None:
+    def build(self, base_model, teacher: Teacher | None = None) -> None:
         """Everything a run needs before its first step: data, model, teacher, statistics, the metrics log."""
         if self.tc.threads:
             torch.set_num_threads(self.tc.threads)
@@ -95,7 +97,9 @@ class Trainer:
         self.train_time, self.last_eval = 0.0, None
         self.build_data()
         self.build_model(base_model)
-        self.build_teacher()
+        self.teacher = teacher
+        if teacher is None:
+            self.build_teacher()
         self.saver = checkpoint_dcp.ShardedSaver(self.info, background=tc.async_checkpoint)
         self.cost = StepCost(self.hf_model, self.n_params, self.dc.seq_len, self.tokens_per_step, world,
                              self.info.device, self.teacher)
@@ -148,7 +152,8 @@ class Trainer:
             self.teacher = Teacher(cfg.kd, student_tok=self.tok, student_tok_spec=self.tok_spec,
                                    student_vocab=self.vocab_size, data_key=data_key(self.source, dc.seq_len),
                                    seq_len=dc.seq_len, device=self.info.device, rank=self.info.rank,
-                                   doc_sep=self.doc_sep, chunk=self.tc.loss_chunk_tokens, compile=self.tc.compile)
+                                   doc_sep=self.doc_sep, chunk=self.tc.loss_chunk_tokens, compile=self.tc.compile,
+                                   shard=self.info.enabled)
 
     # --- start or resume ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -191,7 +196,9 @@ class Trainer:
         path = checkpoint_dcp.newest(self.out_dir, self.info, log=self.say)
         # Before any weight is read: another architecture would otherwise end in a size-mismatch error.
         check_resume_config(json.loads((path / "trainer_state.json").read_text())["config"], self.cfg)
-        state = checkpoint_dcp.restore(path, self.model, self.optimizer, self.info, self.cfg.model.tie_embeddings)
+        state = checkpoint_dcp.restore(path, self.model, self.optimizer, self.info, self.cfg.model.tie_embeddings,
+                                       config=self.hf_model.config)
+        self.resumed_from = path
         ts = state["trainer_state"]
         torch.set_rng_state(state["rng"]["torch_cpu"])
         if "torch_cuda" in state["rng"] and self.info.device.type == "cuda":
@@ -268,7 +275,7 @@ class Trainer:
     # --- evaluation and checkpoints -------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict[str, Any]:
         """Held-out loss, the query-key logit probe and the variant's per-head state, as an eval record."""
-        rec = eval_record(self.model, self.held, self.dc, self.autocast, self.doc_sep, step)
+        rec = eval_record(self.model, self.held, self.dc, self.autocast, self.doc_sep, step, self.tc.loss_chunk_tokens)
         self.metrics.write(rec)
         self.progress.write(f"[{self.label}] step {step}: held-out loss {rec['heldout_loss']:.4f} "
                             f"(ppl {rec['heldout_ppl']:.1f}), mean qk logit {rec['qk_logit_mean']:.3f}")
@@ -282,17 +289,18 @@ class Trainer:
         state = {"step": step, "data": self.batches.state_dict(), "wall_time": self.wall0 + time.time() - self.t_seg,
                  "tokens": self.tokens_seen, "config": self.cfg.to_dict(), "variant": self.variant,
                  "world_size": self.info.world}
-        if not final:  # sharded: every rank writes its part (checkpoint_dcp.py)
-            self.saver.save(self.out_dir / "checkpoints" / ckpt.step_name(step), model=self.model,
-                            optimizer=self.optimizer, hf_model=self.hf_model, tokenizer=self.tok, trainer_state=state,
-                            after=lambda: ckpt.prune(self.out_dir, self.tc.keep_checkpoints))
-            return
-        self.saver.wait()  # final/ is the transformers folder the report and export read, written whole by rank 0
-        msd, osd = full_state(self.model, self.optimizer)
-        if self.info.is_main:
-            ckpt.save(self.out_dir / "final", model=self.hf_model, model_sd=msd, optim_sd=osd, tokenizer=self.tok,
-                      trainer_state=state)
-        barrier(self.info)
+        path = self.out_dir / "checkpoints" / ckpt.step_name(step)
+        # Sharded: every rank writes its part (checkpoint_dcp.py); the last step's too, so a resume finds it.
+        self.saver.save(path, model=self.model, optimizer=self.optimizer, hf_model=self.hf_model, tokenizer=self.tok,
+                        trainer_state=state, after=lambda: ckpt.prune(self.out_dir, self.tc.keep_checkpoints))
+        if final:
+            self.write_final(path)
+
+    def write_final(self, path: Path) -> None:
+        """final/, the transformers folder the report and export read: the model alone, exported from step checkpoint
+        `path` by rank 0 from its shards (no optimizer state gathered anywhere). Collective."""
+        self.saver.wait()
+        checkpoint_dcp.on_main(lambda: write_final(path, self.out_dir / "final"), self.info)
 
     def on_schedule(self, step: int) -> None:
         tc = self.tc
@@ -338,6 +346,16 @@ class Trainer:
             self.close()
 
     def _run(self) -> dict[str, Any]:
+        done = self.open_run()
+        if done is not None:
+            return done
+        for s in range(self.start_step, self.tc.steps):
+            self.train_step(s)
+            self.on_schedule(s + 1)
+        return self.close_run()
+
+    def open_run(self) -> dict[str, Any] | None:
+        """Start or resume (and the step-0 evaluation); the summary of a run that is already complete, else None."""
         tc = self.tc
         if self.resume and self.nothing_saved():
             self.restart()
@@ -345,6 +363,8 @@ class Trainer:
             self.resume_from_checkpoint()
             if self.start_step >= tc.steps:
                 self.say(f"the run in {self.out_dir} is already complete ({self.start_step} steps)")
+                if not (self.out_dir / "final").is_dir():  # killed between the last checkpoint and final/
+                    self.write_final(self.resumed_from)
                 if (self.out_dir / "result.json").is_file():
                     return read_result(self.out_dir)
                 # Killed after final/ but before result.json: the held-out numbers of the last step, as logged
@@ -358,12 +378,13 @@ class Trainer:
         self.begin()
         if self.start_step == 0 and tc.steps > 0:
             self.evaluate(0)
-        for s in range(self.start_step, tc.steps):
-            self.train_step(s)
-            self.on_schedule(s + 1)
+        return None
+
+    def close_run(self) -> dict[str, Any]:
+        """After the last step: the final checkpoint and the summary."""
         self.progress.close()
-        if self.start_step < tc.steps:
-            self.save(tc.steps, final=True)
+        if self.start_step < self.tc.steps:
+            self.save(self.tc.steps, final=True)
         return self.finish()
 
 

@@ -206,24 +206,6 @@ def qk_logit_sums(model: nn.Module, inputs: dict[str, Any], autocast) -> torch.T
     return sums
 
 
-@torch.no_grad()
-def heldout_loss(model: nn.Module, sequences: torch.Tensor, batch: int, autocast, doc_sep: int | None = None) -> float:
-    """Mean next-token cross-entropy over sequences (N, T + 1) int64 (on the model's device); doc_sep: the separator
-    id under document masking (see packing.py), None to attend across documents."""
-    import torch.nn.functional as F
-
-    from .packing import model_inputs
-
-    total, count = 0.0, 0
-    for i in range(0, sequences.shape[0], batch):
-        chunk = sequences[i:i + batch]
-        with autocast():
-            logits = model(**model_inputs(chunk[:, :-1], doc_sep)).logits
-        total += float(F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"))
-        count += chunk[:, 1:].numel()
-    return total / count
-
-
 class Progress:
     """tqdm bar (loss, tok/s, ETA) on a terminal; plain lines every `every` steps otherwise. Rank 0 only."""
 

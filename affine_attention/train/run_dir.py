@@ -14,8 +14,10 @@ from .metrics import read_log
 
 # Run folder layout (out_dir):
 #   metrics.jsonl          see metrics.py
-#   checkpoints/step-N/    periodic checkpoints (checkpoint.py), newest train.keep_checkpoints kept
-#   final/                 the checkpoint at the last step (transformers-loadable, with the tokenizer)
+#   checkpoints/step-N/    periodic checkpoints and the last step's (checkpoint_dcp.py), newest train.keep_checkpoints
+#                          kept
+#   final/                 the model at the last step, exported from its checkpoint (transformers-loadable, with the
+#                          tokenizer; export.write_final)
 #   result.json            the run's summary (losses, held-out loss, perplexity, tokens/s, wall time, parameters)
 #   .lock                  the pid of the process that holds the folder (see RunLock)
 # A new run refuses a folder holding any of RUN_FILES (nothing is replaced silently).

@@ -11,7 +11,7 @@ import torch
 from .config import DataConfig
 from .distributed import DistInfo, accumulation
 from .kd_chunked import CHUNK_TOKENS, final_hidden, head_loss, output_head
-from .metrics import heldout_loss, qk_logit_probe, state_per_head, sum_dtype
+from .metrics import qk_logit_probe, state_per_head, sum_dtype
 from .packing import model_inputs
 
 
@@ -41,6 +41,8 @@ def accumulate_gradients(model, rows: torch.Tensor, ids: torch.Tensor, *, n_micr
                 # after the forward: an FSDP2 root holds its parameters (the head) unsharded until its backward
                 loss, ce, kd = head_loss(hidden, output_head(model), targets, teacher=teacher_targets,
                                          temperature=temperature, kd_alpha=kd_alpha, chunk=chunk)
+            if teacher is not None:
+                teacher.release()
             (loss / n_micro).backward()
         sums += torch.stack([loss.detach(), ce, kd]).to(sums.dtype)
     return sums
@@ -55,14 +57,36 @@ def clip_and_step(model, optimizer: torch.optim.Optimizer, clip: float) -> float
     return grad_norm
 
 
+@torch.no_grad()
+def heldout_loss(model, sequences: torch.Tensor, batch: int, autocast, doc_sep: int | None = None,
+                 chunk: int = CHUNK_TOKENS) -> float:
+    """Mean next-token cross-entropy over sequences (N, T + 1) int64 (on the model's device), made from the final
+    hidden states in chunks of `chunk` tokens (kd_chunked.head_loss: never (tokens, vocab) logits for a batch);
+    doc_sep: the separator id under document masking (see packing.py), None to attend across documents."""
+    total, count = 0.0, 0
+    root = model if hasattr(model, "unshard") else None  # an FSDP2 root reshards after a forward without grad
+    for i in range(0, sequences.shape[0], batch):
+        rows = sequences[i:i + batch]
+        with autocast():
+            hidden = final_hidden(model, model_inputs(rows[:, :-1], doc_sep))  # (b, T, H)
+            if root is not None:
+                root.unshard()  # the head, whole, for the loss
+            _, ce, _ = head_loss(hidden, output_head(model), rows[:, 1:], chunk=chunk)
+        if root is not None:
+            root.reshard()
+        total += float(ce) * rows[:, 1:].numel()
+        count += rows[:, 1:].numel()
+    return total / count
+
+
 def eval_record(model, held: torch.Tensor, dc: DataConfig, autocast, doc_sep: int | None,
-                step: int) -> dict[str, Any]:
+                step: int, chunk: int = CHUNK_TOKENS) -> dict[str, Any]:
     """Held-out loss on the first dc.eval_sequences of `held`, the query-key logit probe on its first
     dc.probe_sequences and the variant's per-head state, as an eval record; the model is back in train mode after."""
     model.eval()
     try:
         rec = {"kind": "eval", "step": step}
-        loss = heldout_loss(model, held[:dc.eval_sequences], dc.eval_batch, autocast, doc_sep)
+        loss = heldout_loss(model, held[:dc.eval_sequences], dc.eval_batch, autocast, doc_sep, chunk)
         rec.update(heldout_loss=loss, heldout_ppl=math.exp(loss))
         rec.update(qk_logit_probe(model, held[:dc.probe_sequences, :-1], autocast, doc_sep))
         rec.update(state_per_head(model))
