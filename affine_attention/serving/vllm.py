@@ -31,11 +31,11 @@ def register() -> None:
     """Register every converted architecture with vLLM (idempotent; vLLM calls it once per process)."""
     from vllm import ModelRegistry
 
-    from ..hf import _autoload
+    from ..hf import registration
     from ..hf.families import family_names
 
     # vLLM reads config.json through transformers' AutoConfig: the converted model types must be known to it.
-    _autoload.install()
+    registration.register()
     for family in family_names():
         # Lazy "module:class" strings: vLLM imports the model module only in the processes that build a model.
         ModelRegistry.register_model(architecture(family), f"{MODEL_MODULE}:{architecture(family)}")
