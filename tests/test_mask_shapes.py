@@ -50,12 +50,20 @@ def test_converted_softmax_reads_every_mask_shape_as_the_unconverted_model(shape
                                msg=lambda m: f"{shape}: converted logits differ from the unconverted model's: {m}")
 
 
-@pytest.mark.parametrize("mask", [object(), torch.zeros(B, 1, T, T), torch.ones(B, T, T, dtype=torch.bool)],
-                         ids=["blockmask_like", "float_4d", "bool_3d"])
+def _block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T, device="cpu")
+
+
+@pytest.mark.parametrize("mask", [_block_mask, object, lambda: torch.zeros(B, 1, T, T),
+                                  lambda: torch.ones(B, T, T, dtype=torch.bool)],
+                         ids=["flex_blockmask", "blockmask_like", "float_4d", "bool_3d"])
 def test_masks_the_seam_cannot_read_are_refused_by_name(mask):
-    """A BlockMask-like object, a float 4D mask or a 3D mask reaching the attention function is a ValueError that
-    names the mask, never read as something else."""
+    """flex's BlockMask (what transformers' flex masks hand over), any other object, a float 4D mask or a 3D mask
+    reaching the attention function is a ValueError that names the mask, never read as something else."""
     from affine_attention.hf.attention import _variant_mask
 
+    mask = mask()
     with pytest.raises(ValueError, match="mask"):
         _variant_mask(mask, B, T, T, training=False)
