@@ -105,6 +105,11 @@ FORCED = {
     "linear_or_state_space": ("qwen3_next", {}, "has no attribute 'self_attn'"),
     "layout": ("phi", {}, "has no attribute 'o_proj'"),
     "seam": ("minimax_m3_vl_text", {}, r"passes \['block_indices'\]"),
+    # the decoder layers sit in the wrapped text model (model.language_model.layers), beside a vision tower
+    "multimodal": ("gemma3", dict(text_config=dict(FAMILIES["gemma3"].tiny), mm_tokens_per_image=4,
+                                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                     num_attention_heads=2, image_size=28, patch_size=14)),
+                   "'Gemma3Model' object has no attribute 'layers'"),
 }
 
 
