@@ -45,3 +45,14 @@ def test_backends_command_prints_the_table(capsys):
     assert lines[0] == "| mask | variants | served by | refused before it |"
     assert len(lines) == 1 + 2 * len(CASES) and "`exact`" not in text
     assert any(ln.startswith("| softcap (Gemma 2) |") and "sink" in ln and "`flex`" in ln for ln in lines)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_docs_show_the_current_dispatch_table(capsys, compiled):
+    from pathlib import Path
+
+    argv = ["backends", "--device", "cuda", "--dtype", "bfloat16"] + (["--compiled"] if compiled else [])
+    assert cli.main(argv) == 0
+    table = capsys.readouterr().out.strip()
+    docs = (Path(__file__).parents[1] / "docs" / "kernels.md").read_text()
+    assert table in docs, f"docs/kernels.md's dispatch table is stale: paste `affine-attention {' '.join(argv)}`"
