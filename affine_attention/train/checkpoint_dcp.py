@@ -122,7 +122,9 @@ class ShardedSaver:
         try:
             _together(lambda: future.result() if future is not None else None, info)
             barrier(info)  # every shard is on disk before any rank lists them
-            shards = sorted(p for p in (tmp / STATE).iterdir() if p.is_file())
+            # A peer may already be stamping its share, through a hidden temporary file beside the shard
+            # (_files.atomic_path): every rank must list the same files, so temporaries are not listed.
+            shards = sorted(p for p in (tmp / STATE).iterdir() if p.is_file() and not _temporary(p))
             share = shards[info.rank::info.world]
             # The variant spec into each shard's metadata (a rewrite of its header) before it is hashed
             mine = _together(lambda: stamp_spec(share, config) or ckpt.file_table(tmp, share), info)
@@ -143,6 +145,10 @@ class ShardedSaver:
     def _discard(self, tmp: Path) -> None:
         if self.info.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _temporary(p: Path) -> bool:
+    return p.name.startswith(".") and p.name.endswith(".tmp")
 
 
 def on_main(fn, info: DistInfo) -> Any:
