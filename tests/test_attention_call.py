@@ -24,13 +24,13 @@ class KwargsDroppingLayer(LlamaDecoderLayer):
     """A real decoder layer that calls self_attn without **kwargs, as StableLM's does: whatever transformers hands
     the layer besides its named arguments never reaches the attention function."""
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
-                position_embeddings=None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs):
+        # No cache is passed on (the test runs with use_cache=False): its keyword is named differently across the
+        # supported transformers versions (past_key_values, cache).
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
-                                          position_ids=position_ids, cache=cache, use_cache=use_cache,
-                                          position_embeddings=position_embeddings)
+                                          position_ids=position_ids, position_embeddings=position_embeddings)
         hidden_states = residual + hidden_states
         residual = hidden_states
         return residual + self.mlp(self.post_attention_layernorm(hidden_states))
