@@ -82,14 +82,19 @@ def _complete(port: int, directory: Path) -> tuple[int, dict | str]:
         return err.code, err.read().decode()
 
 
-def test_transformers_serve_answers_with_generates_text(converted, tmp_path):
-    directory, expected = converted
-    proc, port = _serve(directory, tmp_path / "serve.log")
+def _serve_and_complete(directory: Path, log: Path, *flags: str) -> tuple[int, dict | str]:
+    """Start `transformers serve` with flags, send one completion request, stop the server."""
+    proc, port = _serve(directory, log, *flags)
     try:
-        status, answer = _complete(port, directory)
+        return _complete(port, directory)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_transformers_serve_answers_with_generates_text(converted, tmp_path):
+    directory, expected = converted
+    status, answer = _serve_and_complete(directory, tmp_path / "serve.log")
     assert status == 200, answer
     assert answer["choices"][0]["text"] == expected
 
@@ -97,11 +102,6 @@ def test_transformers_serve_answers_with_generates_text(converted, tmp_path):
 def test_transformers_serve_refuses_continuous_batching_naming_vllm(converted, tmp_path):
     directory, _ = converted
     log = tmp_path / "serve.log"
-    proc, port = _serve(directory, log, "--continuous-batching")
-    try:
-        status, answer = _complete(port, directory)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    status, answer = _serve_and_complete(directory, log, "--continuous-batching")
     assert status == 500, answer
     assert "serve converted models with vLLM" in log.read_text()
