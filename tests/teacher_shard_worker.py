@@ -1,10 +1,12 @@
 """Run under torchrun (2 gloo processes) by tests/test_teacher_sharded.py: the KD teacher sharded with FSDP2 against
 the whole teacher on the same rank's rows, for the full-vocabulary loss and the cached top-k targets (where one rank
-finds its rows cached and its peer does not). Prints one JSON line per rank."""
+finds its rows cached and its peer does not). Writes one JSON file per rank into the folder
+named last (stdout lines of two ranks can interleave)."""
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -58,4 +60,4 @@ if __name__ == "__main__":
     want_first, want_second = whole.targets(inputs, ids), whole.targets(again_inputs, again_ids)
     out["topk_diff"] = max(float((a[k].double() - b[k].double()).abs().max())
                            for a, b in ((first, want_first), (second, want_second)) for k in ("values", "indices"))
-    print(json.dumps(out), flush=True)
+    Path(sys.argv[3], f"rank{info.rank}.json").write_text(json.dumps(out))
