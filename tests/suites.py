@@ -13,6 +13,7 @@ VERSION_SENSITIVE = frozenset({
     "test_analysis_capture.py", "test_analysis_masks.py", "test_attention_call.py", "test_backends.py",
     "test_backends_cuda.py", "test_backends_flex.py", "test_backends_plan.py", "test_ssmax.py",
     "test_cache_integrity.py", "test_checkpoint_dcp.py", "test_cli_checks.py", "test_kd_chunked.py",
+    "test_compare_lockstep_resume.py",
     "test_compile.py", "test_compile_ops.py", "test_cuda_traceable.py", "test_degenerate_inputs.py",
     "test_double_backward.py", "test_epilogue.py", "test_eval_cli.py", "test_eval_harness.py",
     "test_eval_perplexity.py", "test_families_enumerated.py", "test_gate_precision_nan.py",

@@ -95,7 +95,8 @@ def shares_teacher(cfg: RunConfig) -> bool:
 
 def lockstep(cfg: RunConfig, runs: list[tuple[str, Path, bool]], *, base_model, seed: int, log=print) -> list[dict]:
     """Train runs [(variant, run folder, resume)] of one seed step by step side by side, sharing the first run's
-    KD teacher and its forward of each micro-batch; returns their summaries in order."""
+    KD teacher and its forward of each micro-batch; returns their summaries in order. A run resumed from an older
+    checkpoint than its peers' (killed between their saves) trains alone until it catches up, then in lockstep."""
     from .loop import Trainer
     from .model import variant_options
 
