@@ -163,3 +163,45 @@ def test_a_step_checkpoint_records_its_variant_and_refuses_another(tiny, tmp_pat
     with pytest.raises(ValueError, match=r"config.json's affine_attention is .*'off_by_one'.*saved with .*'softmax'"):
         load_model(str(edited))
     assert type(load_model(str(step))).__name__.startswith("Affine")  # the checkpoint as written loads
+
+
+def test_the_streamed_export_writes_what_save_pretrained_writes_in_one_file_or_several(tiny, tmp_path):
+    """hf.sharded.write_pretrained never builds the model; its folder is the one save_pretrained writes from the built
+    model (small files byte for byte, tensors and safetensors metadata equal), and split into files of a bounded
+    size it loads to the same weights through transformers' index."""
+    import filecmp
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from affine_attention.hf.sharded import load_sharded_model, write_pretrained
+    from affine_attention.train.config_load import load_config
+    from affine_attention.train.loop import train
+
+    train(load_config("tiny", tiny + ["variant.name='affine'", "train.steps=2", "model.tie_embeddings=true"]),
+          tmp_path / "run", log=lambda s: None)
+    step = tmp_path / "run" / "checkpoints" / "step-00000002"
+    load_sharded_model(step).save_pretrained(tmp_path / "built")
+    for name in ("one", "split"):
+        (tmp_path / name).mkdir()
+    assert write_pretrained(step, tmp_path / "one") == ["model.safetensors"]
+    assert write_pretrained(step, tmp_path / "split", 20_000) == [f"model-0000{i}-of-00004.safetensors"
+                                                                   for i in range(1, 5)]
+    files = sorted(p.name for p in (tmp_path / "built").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "one").iterdir())
+    for name in files:
+        if name.endswith(".safetensors"):
+            with safe_open(str(tmp_path / "built" / name), "pt") as a, safe_open(str(tmp_path / "one" / name), "pt") as b:
+                assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys())
+                assert "lm_head.weight" not in a.keys()  # tied: kept once, under the embedding's name
+                assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+        else:
+            assert filecmp.cmp(tmp_path / "built" / name, tmp_path / "one" / name, shallow=False), name
+    index = json.loads((tmp_path / "split" / "model.safetensors.index.json").read_text())
+    units = {k.split(".layers.")[1].split(".")[0] for k, f in index["weight_map"].items() if ".layers." in k
+             and f == "model-00002-of-00004.safetensors"}
+    assert len(units) == 1, index["weight_map"]  # whole decoder layers per file
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "split").state_dict()
+    want = AutoModelForCausalLM.from_pretrained(tmp_path / "built").state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)

@@ -77,6 +77,97 @@ def reader_for(path: Path):
     return Counting(str(path))
 
 
+# The largest weights file `write_pretrained` writes, in bytes (2 GB): what bounds its memory.
+MAX_SHARD_BYTES = 2 * 10**9
+
+
+def _unit(name: str) -> str:
+    """The part of a weight name up to its first numeric component ("model.layers.3."): a weight conversion
+    (transformers' fused MoE experts) reads only weights of one such unit, so no output file splits one."""
+    parts = name.split(".")
+    at = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    return name if at is None else ".".join(parts[:at + 1]) + "."
+
+
+def _plan(sizes: dict[str, int], limit: int) -> list[list[str]]:
+    """Names grouped into files of at most `limit` bytes in state-dict order, whole units together (a unit larger
+    than `limit` gets a file of its own, as save_pretrained gives an oversized tensor)."""
+    units: dict[str, list[str]] = {}
+    for name in sizes:
+        units.setdefault(_unit(name), []).append(name)
+    files: list[list[str]] = [[]]
+    used = 0
+    for names in units.values():
+        size = sum(sizes[n] for n in names)
+        if files[-1] and used + size > limit:
+            files.append([])
+            used = 0
+        files[-1].extend(names)
+        used += size
+    return files
+
+
+def write_pretrained(path: str | Path, out: str | Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+    """Write the model of sharded step checkpoint `path` into the folder `out` as save_pretrained writes it (config,
+    generation config, hub loader, safetensors stamped with the variant spec, split into files of at most
+    `max_shard_bytes` with transformers' index), in float32, without building the model: its names, shapes and tied
+    weights come from a copy on the meta device, its tensors from the shards, one output file at a time (peak memory
+    ~ 2 x max_shard_bytes: the file's tensors and the shard pages read into them). Returns the weights files written.
+    Single process; `out` exists (the caller commits it atomically)."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    from . import layers, models, spec_record
+    from .registration import register
+
+    register()
+    path, out = Path(path), Path(out)
+    config = AutoConfig.from_pretrained(path)
+    check_spec(path, config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    sd = {k: v for k, v in model.state_dict().items() if k not in (model._keys_to_ignore_on_save or ())}
+    sd = remove_tied_weights_from_state_dict(sd, model)  # save_pretrained's choice of the name a tied weight keeps
+    want = {k: tuple(v.shape) for k, v in revert_weight_conversion(model, dict(sd)).items()}  # the names it writes
+    files = _plan({k: v.numel() * v.element_size() for k, v in sd.items()}, max_shard_bytes)
+    names = ([spec_record.SAFE_WEIGHTS_NAME] if len(files) == 1 else
+             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+    converted = isinstance(model, models.AffineModelMixin)  # what save_pretrained adds for a converted model
+    metadata = {"format": "pt", **(spec_record.spec_metadata(layers.spec_from_config(config)) if converted else {})}
+    reader = reader_for(path / STATE)
+    written: dict[str, str] = {}
+    total = 0
+    for name, keys in zip(names, files):
+        part = {k: torch.empty(sd[k].shape, dtype=sd[k].dtype) for k in keys}
+        dcp.load({"model": part}, storage_reader=reader, no_dist=True)  # these tensors only, read in place
+        part = {k: v.contiguous() for k, v in revert_weight_conversion(model, part).items()}
+        save_file(part, str(out / name), metadata=metadata)
+        written.update(dict.fromkeys(part, name))
+        total += sum(v.numel() * v.element_size() for v in part.values())
+        del part
+    got = {k: want.get(k) for k in written}
+    if set(written) != set(want) or any(got[k] is None for k in got):
+        raise RuntimeError(f"export of {path}: the files hold weights {sorted(set(written) ^ set(want))[:5]} that "
+                           "save_pretrained would not write (a weight conversion spanning layers?); report this")
+    # save_pretrained's facts in the config, then its small files (models.AffineModelMixin.save_pretrained)
+    config.dtype, config.architectures = "float32", [type(model).__name__]
+    if converted:
+        config.auto_map = type(model).hub_auto_map()
+        models.write_hub_loader(out)
+    config.save_pretrained(out)
+    if model.can_generate():
+        model.generation_config.save_pretrained(out)
+    if len(names) > 1:
+        index = {"metadata": {"total_parameters": model.num_parameters(), "total_size": total}, "weight_map": written}
+        (out / spec_record.SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return names
+
+
 def load_sharded_model(path: str | Path, dtype: torch.dtype | None = None):
     """The causal LM of sharded step checkpoint `path` on the CPU, in float32 (or `dtype`), built from its
     config.json and filled with the model's tensors only (the optimizer's stay on disk). Single process."""

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 
+from ..hf.sharded import MAX_SHARD_BYTES, write_pretrained
 from . import checkpoint as ckpt
 
 # The training state of a full checkpoint that a transformers folder does not carry.
@@ -35,9 +36,11 @@ def pick(run_dir: Path, step: int | None) -> Path:
     raise ValueError(f"export: no intact checkpoint in {run_dir}; every one failed verification")
 
 
-def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Path:
+def export(run_dir: str | Path, out: str | Path, step: int | None = None,
+           max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write checkpoint `step` (default: the newest intact) of `run_dir` to the new folder `out`; returns the
-    checkpoint it read. Single process: the model is built whole on the CPU."""
+    checkpoint it read. Single process; a sharded checkpoint's model is streamed in weights files of at most
+    `max_shard_bytes` (hf.sharded.write_pretrained), never built whole."""
     run_dir, out = Path(run_dir), Path(out)
     if out.exists():
         raise ValueError(f"export: --out {out} exists; choose a new folder (nothing is overwritten)")
@@ -51,7 +54,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Pat
                 if f.is_file() and f.name not in _TRAINING_FILES:
                     shutil.copy2(f, tmp / f.name)
         else:
-            _write_sharded(path, tmp)
+            _write_sharded(path, tmp, max_shard_bytes)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -59,12 +62,11 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Pat
     return path
 
 
-def _write_sharded(path: Path, tmp: Path) -> None:
+def _write_sharded(path: Path, tmp: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """The model streamed from the shards one weights file at a time (never built whole), then the tokenizer."""
     from transformers import AutoTokenizer
 
-    from ..hf.sharded import load_sharded_model
-
-    load_sharded_model(path).save_pretrained(tmp)
+    write_pretrained(path, tmp, max_shard_bytes)
     AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
 
 
