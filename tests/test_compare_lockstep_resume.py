@@ -16,7 +16,7 @@ from affine_attention.train.kd import Teacher
 from test_compare_shared_teacher import teacher_folder  # noqa: F401  (fixture)
 from test_train_helpers import read_records, tiny  # noqa: F401  (fixture)
 
-STEPS, AHEAD, BEHIND = 5, 3, 2  # checkpoint every step: the first variant saved step 3, the kill hit before the second's
+STEPS, AHEAD, BEHIND = 5, 3, 2  # checkpoint every step: one variant saved step 3, the kill hit before the other's
 
 
 def _records(run):
@@ -27,21 +27,25 @@ def _records(run):
 
 
 def _killed_at(run, step):
-    """What the compare process leaves in `run` when killed after this variant's checkpoint of `step` and its log
-    of step `step` + 1's training (the second variant trains the step, then saves: the kill hit in between)."""
+    """What a compare killed between its variants' saves of step AHEAD leaves in the run folder `run` whose newest
+    checkpoint is of `step`: no newer checkpoint, no final/ or result.json, the log cut after step AHEAD (the variant
+    behind had logged that step's training; its save is what the kill stopped)."""
     for p in (run / "checkpoints").glob("step-*"):
         if int(p.name.split("-")[1]) > step:
             shutil.rmtree(p)
     shutil.rmtree(run / "final")
     (run / "result.json").unlink()
-    logged = step + (1 if step == BEHIND else 0)
     lines = [line for line in (run / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line).get("kind") not in ("end",) and json.loads(line).get("step", -1) <= logged]
+             if json.loads(line).get("kind") != "end" and json.loads(line).get("step", -1) <= AHEAD]
     (run / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
 
 
 @pytest.mark.slow
-def test_lockstep_compare_resumes_a_variant_one_checkpoint_behind(tiny, teacher_folder, tmp_path, monkeypatch):
+# A kill between two saves leaves the first variant ahead; the other order has the teacher's owner (the first run)
+# train alone while it catches up.
+@pytest.mark.parametrize("ahead, behind", [("softmax", "affine"), ("affine", "softmax")])
+def test_lockstep_compare_resumes_a_variant_one_checkpoint_behind(tiny, teacher_folder, tmp_path, monkeypatch, ahead,
+                                                                  behind):
     cfg = load_config("tiny", tiny + [f"train.steps={STEPS}", "train.checkpoint_every=1", "train.keep_checkpoints=20",
                                       "train.eval_every=2", "compare.variants=['softmax', 'affine']",
                                       "kd.enabled=true", f"kd.teacher='{teacher_folder}'",
@@ -52,20 +56,20 @@ def test_lockstep_compare_resumes_a_variant_one_checkpoint_behind(tiny, teacher_
     want = {v: _records(r) for v, r in runs.items()}
     weights = {v: load_file(str(r / "final" / "model.safetensors")) for v, r in runs.items()}
     assert [s for s, *_ in want["affine"][0]] == list(range(1, STEPS + 1))
-    _killed_at(runs["softmax"], AHEAD)
-    _killed_at(runs["affine"], BEHIND)
+    _killed_at(runs[ahead], AHEAD)
+    _killed_at(runs[behind], BEHIND)
 
     forwards = []
     real = Teacher._forward
     monkeypatch.setattr(Teacher, "_forward", lambda self, inputs: forwards.append(len(inputs)) or real(self, inputs))
     said = []
     again = compare(cfg, out, seeds=1, resume=True, log=said.append)
-    assert any(f"resuming from {runs['softmax'] / 'checkpoints' / 'step-00000003'}" in m for m in said), said
-    assert any(f"resuming from {runs['affine'] / 'checkpoints' / 'step-00000002'}" in m for m in said), said
+    assert any(f"resuming from {runs[ahead] / 'checkpoints' / 'step-00000003'}" in m for m in said), said
+    assert any(f"resuming from {runs[behind] / 'checkpoints' / 'step-00000002'}" in m for m in said), said
     for v, run in runs.items():
         assert _records(run) == want[v], v
         got = load_file(str(run / "final" / "model.safetensors"))
         assert got.keys() == weights[v].keys() and all((got[k] == weights[v][k]).all() for k in got), v
         assert again["variants"][v]["heldout_loss"] == first["variants"][v]["heldout_loss"]
-    # affine alone trains step 3, then both steps 4 and 5 on one teacher forward per micro-batch (2 per step).
+    # The one behind trains step 3 alone, then both steps 4 and 5 on one teacher forward per micro-batch (2 a step).
     assert len(forwards) == 2 * (STEPS - BEHIND), forwards
