@@ -2,7 +2,8 @@
 saved (`load_sharded_model(...).save_pretrained`, how export worked before) against the streamed export
 (`hf.sharded.write_pretrained`, one weights file at a time), on a ~0.75 GB fp32 model trained one step. Each export
 runs in a fresh process; measured = peak RSS (ru_maxrss) and that minus the RSS once the libraries are imported, with
-a fixed glibc mmap threshold (benchmarks/bench_dryrun.py says why). The outputs' tensors are compared.
+a fixed glibc mmap threshold (benchmarks/bench_dryrun.py says why), and the export's wall time (one run each, on a
+shared machine: a rough figure). The outputs' tensors are compared.
 
     python benchmarks/bench_export.py [--workdir DIR]
 """
@@ -15,6 +16,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,7 +44,7 @@ def child(way: str, step: str, out: str, limit: int | None) -> None:
     from affine_attention.train.export import _write_sharded
 
     register()
-    base = _rss()
+    base, t0 = _rss(), time.perf_counter()
     Path(out).mkdir()
     if way == "built":
         load_sharded_model(step).save_pretrained(out)
@@ -50,7 +52,7 @@ def child(way: str, step: str, out: str, limit: int | None) -> None:
     else:
         _write_sharded(Path(step), Path(out), limit)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"peak": peak, "base": base}))
+    print(json.dumps({"peak": peak, "base": base, "seconds": time.perf_counter() - t0}))
 
 
 def _weights(folder: Path) -> dict:
@@ -77,14 +79,16 @@ def main() -> None:
     step = next((run / "checkpoints").glob("step-*"))
     size = sum(f.stat().st_size for f in (step / "state").iterdir())
     print(f"step checkpoint {step} (model and optimizer shards: {size / 2**20:,.0f} MiB)")
-    print(f"{'export':32s} {'peak RSS MiB':>12s} {'above imports MiB':>17s} {'files':>5s}")
+    print(f"{'export':32s} {'peak RSS MiB':>12s} {'above imports MiB':>17s} {'files':>5s} {'wall s':>6s}")
     folders = {}
     for label, way in WAYS.items():
         out = work / f"out-{len(folders)}"
         cmd = [sys.executable, __file__, "--child", way[0], str(step), str(out), *(way[1:] or ["0"])]
-        res = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+        done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+        res = json.loads(done.stdout.splitlines()[-1])
         files = len(list(out.glob("*.safetensors")))
-        print(f"{label:32s} {res['peak'] / 2**20:12,.0f} {(res['peak'] - res['base']) / 2**20:17,.0f} {files:5d}")
+        print(f"{label:32s} {res['peak'] / 2**20:12,.0f} {(res['peak'] - res['base']) / 2**20:17,.0f} {files:5d} "
+              f"{res['seconds']:6.1f}")
         folders[label] = out
     weights = [_weights(f) for f in folders.values()]
     model = sum(t.numel() * t.element_size() for t in weights[0].values())

@@ -192,7 +192,8 @@ def test_the_streamed_export_writes_what_save_pretrained_writes_in_one_file_or_s
     assert files == sorted(p.name for p in (tmp_path / "one").iterdir())
     for name in files:
         if name.endswith(".safetensors"):
-            with safe_open(str(tmp_path / "built" / name), "pt") as a, safe_open(str(tmp_path / "one" / name), "pt") as b:
+            built, one = str(tmp_path / "built" / name), str(tmp_path / "one" / name)
+            with safe_open(built, "pt") as a, safe_open(one, "pt") as b:
                 assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys())
                 assert "lm_head.weight" not in a.keys()  # tied: kept once, under the embedding's name
                 assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())

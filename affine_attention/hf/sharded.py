@@ -113,8 +113,8 @@ def write_pretrained(path: str | Path, out: str | Path, max_shard_bytes: int = M
     generation config, hub loader, safetensors stamped with the variant spec, split into files of at most
     `max_shard_bytes` with transformers' index), in float32, without building the model: its names, shapes and tied
     weights come from a copy on the meta device, its tensors from the shards, one output file at a time (peak memory
-    ~ 2 x max_shard_bytes: the file's tensors and the shard pages read into them). Returns the weights files written.
-    Single process; `out` exists (the caller commits it atomically)."""
+    ~ max_shard_bytes + the largest tensor: the file's tensors and the shard pages of the one being read). Returns
+    the weights files written. Single process; `out` exists (the caller commits it atomically)."""
     import json
 
     import torch.distributed.checkpoint as dcp
@@ -146,7 +146,8 @@ def write_pretrained(path: str | Path, out: str | Path, max_shard_bytes: int = M
     total = 0
     for name, keys in zip(names, files):
         part = {k: torch.empty(sd[k].shape, dtype=sd[k].dtype) for k in keys}
-        dcp.load({"model": part}, storage_reader=reader, no_dist=True)  # these tensors only, read in place
+        for k in keys:  # one tensor per read, in place: the shard pages it maps are let go before the next
+            dcp.load({"model": {k: part[k]}}, storage_reader=reader, no_dist=True)
         part = {k: v.contiguous() for k, v in revert_weight_conversion(model, part).items()}
         save_file(part, str(out / name), metadata=metadata)
         written.update(dict.fromkeys(part, name))
