@@ -41,8 +41,8 @@ def _killed_at(run, step):
 
 
 @pytest.mark.slow
-# A kill between two saves leaves the first variant ahead; the other order has the teacher's owner (the first run)
-# train alone while it catches up.
+# A kill between two saves leaves the first variant ahead; the other order (the first run's newest checkpoint damaged,
+# so it resumes from the one before) has the teacher's owner train alone while it catches up.
 @pytest.mark.parametrize("ahead, behind", [("softmax", "affine"), ("affine", "softmax")])
 def test_lockstep_compare_resumes_a_variant_one_checkpoint_behind(tiny, teacher_folder, tmp_path, monkeypatch, ahead,
                                                                   behind):
