@@ -1,7 +1,8 @@
 """A lockstep compare (shared live KD teacher) killed between its variants' checkpoint writes, so that one variant's
 newest checkpoint is a step behind the other's, resumes to bitwise the per-step losses, evaluations and final weights
-of the uninterrupted run, still with one teacher forward per micro-batch. The killed state is made from the real
-checkpoints of a real run: the newer checkpoints and what the kill would not have written are removed."""
+of the uninterrupted run, still with one teacher forward per micro-batch; also when the one behind is the first run
+(its newest checkpoint damaged). The killed state is made from the real checkpoints of a real run: the newer
+checkpoints and what the kill would not have written are removed."""
 from __future__ import annotations
 
 import json
@@ -41,11 +42,11 @@ def _killed_at(run, step):
 
 
 @pytest.mark.slow
-# A kill between two saves leaves the first variant ahead; the other order (the first run's newest checkpoint damaged,
-# so it resumes from the one before) has the teacher's owner train alone while it catches up.
-@pytest.mark.parametrize("ahead, behind", [("softmax", "affine"), ("affine", "softmax")])
-def test_lockstep_compare_resumes_a_variant_one_checkpoint_behind(tiny, teacher_folder, tmp_path, monkeypatch, ahead,
-                                                                  behind):
+# A kill between the two saves of step 3 leaves the first variant ahead. A kill after both, with the first run's step 3
+# damaged, leaves the first run (the teacher's owner) behind: it resumes from step 2 and trains alone to catch up.
+@pytest.mark.parametrize("how, ahead, behind", [("kill", "softmax", "affine"), ("damage", "affine", "softmax")])
+def test_lockstep_compare_resumes_a_variant_one_checkpoint_behind(tiny, teacher_folder, tmp_path, monkeypatch, how,
+                                                                  ahead, behind):
     cfg = load_config("tiny", tiny + [f"train.steps={STEPS}", "train.checkpoint_every=1", "train.keep_checkpoints=20",
                                       "train.eval_every=2", "compare.variants=['softmax', 'affine']",
                                       "kd.enabled=true", f"kd.teacher='{teacher_folder}'",
@@ -57,7 +58,10 @@ def test_lockstep_compare_resumes_a_variant_one_checkpoint_behind(tiny, teacher_
     weights = {v: load_file(str(r / "final" / "model.safetensors")) for v, r in runs.items()}
     assert [s for s, *_ in want["affine"][0]] == list(range(1, STEPS + 1))
     _killed_at(runs[ahead], AHEAD)
-    _killed_at(runs[behind], BEHIND)
+    _killed_at(runs[behind], BEHIND if how == "kill" else AHEAD)
+    if how == "damage":
+        shard = next((runs[behind] / "checkpoints" / "step-00000003" / "state").glob("*.safetensors"))
+        shard.write_bytes(shard.read_bytes()[:-64])
 
     forwards = []
     real = Teacher._forward
@@ -66,6 +70,7 @@ def test_lockstep_compare_resumes_a_variant_one_checkpoint_behind(tiny, teacher_
     again = compare(cfg, out, seeds=1, resume=True, log=said.append)
     assert any(f"resuming from {runs[ahead] / 'checkpoints' / 'step-00000003'}" in m for m in said), said
     assert any(f"resuming from {runs[behind] / 'checkpoints' / 'step-00000002'}" in m for m in said), said
+    assert any("is damaged" in m for m in said) == (how == "damage"), said
     for v, run in runs.items():
         assert _records(run) == want[v], v
         got = load_file(str(run / "final" / "model.safetensors"))
