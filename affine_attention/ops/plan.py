@@ -27,8 +27,8 @@ B, HQ, HKV, D, T, S = 2, 8, 2, 128, 256, 256
 
 #: mode -> how the table's heading names it.
 MODES = {"eager": "eager",
-         "blocks": "compiled per decoder block (the mask function eager: padding read once per forward)",
-         "model": "compiled whole model (the mask function traced: padding not read)"}
+         "blocks": "compiled per decoder block, padding read once per forward by the eager mask function",
+         "model": "compiled whole model, padding not read (the mask function traced)"}
 
 
 class Case(NamedTuple):
