@@ -75,9 +75,9 @@ def test_compiled_blocks_get_the_runs_the_eager_mask_function_read(fake_cuda):
     (varlen), an all-True mask is dropped so the window gets cuda_flash's dense call, a mask with holes goes to flex;
     each equals the float64 exact path, with no NaN. The graph made for contiguous runs was not reused for the holes:
     the runs are guarded values of the mask object, not facts remembered from an earlier mask."""
-    ref = tiny("mistral", "affine", sliding_window=4)
+    ref = tiny("mistral", "softmax", sliding_window=4)
     perturb(ref)
-    model = tiny("mistral", "affine", sliding_window=4)
+    model = tiny("mistral", "softmax", sliding_window=4)
     model.load_state_dict(ref.state_dict())
     ref.double()
     layers = model.config.num_hidden_layers
@@ -137,3 +137,22 @@ def test_mask_function_reads_eagerly_and_keeps_the_mask_when_traced():
     for m in (pad, torch.ones(2, 6, dtype=torch.long)):
         got = traced(m)
         assert got.runs is None and torch.equal(got.keys[:, 0, 0], m.bool())
+
+
+def test_traced_key_mask_with_unknown_runs_goes_to_flex_not_nan(fake_cuda):
+    """An op traced with its key mask (as in a model compiled whole: nothing read the runs): cuda_flash refuses it and
+    flex serves it, equal to the float64 reference, where a row with holes once came back nan."""
+    from affine_attention.ops import softmax_attention, softmax_attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 12, 16, generator=g) for h in (4, 2, 2))
+    keys = torch.ones(2, 1, 1, 12, dtype=torch.bool)
+    keys[0, ..., 4:7] = False
+    keys[1, ..., :2] = False
+    op = torch.compile(lambda q, k, v, m: softmax_attention(q, k, v, attn_mask=m, is_causal=True, enable_gqa=True),
+                       backend="eager", fullgraph=True, dynamic=False)
+    got = op(q, k, v, keys)
+    want = softmax_attention_reference(q.double(), k.double(), v.double(), attn_mask=keys, is_causal=True,
+                                       enable_gqa=True)[0]
+    assert RAN == [] and torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
