@@ -87,19 +87,22 @@ def _add_backends(sub) -> None:
     c.add_argument("--device", default="cuda", help="device type to plan for (no such device needed)")
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"],
                    help="dtype of the planned calls")
-    c.add_argument("--compiled", action="store_true", help="as inside torch.compile (mask values unreadable)")
+    c.add_argument("--compiled", nargs="?", const="blocks", choices=["blocks", "model"],
+                   help="as under torch.compile: of each decoder block (default; the mask read eagerly) or of the "
+                        "whole model (mask values unreadable)")
     c.set_defaults(func=_backends)
 
 
 def _backends(args) -> int:
     import torch
 
-    from .ops.plan import dispatch_table, markdown
+    from .ops.plan import MODES, dispatch_table, markdown
     from .variants import REGISTRY
 
     names = {lse: ", ".join(n for n, v in REGISTRY.items() if v.needs_lse == lse) for lse in (False, True)}
-    rows = dispatch_table(args.device, getattr(torch, args.dtype), args.compiled)
-    print(f"{args.device} {args.dtype}, {'compiled' if args.compiled else 'eager'} (training call, D = 128):\n")
+    mode = args.compiled or "eager"
+    rows = dispatch_table(args.device, getattr(torch, args.dtype), mode)
+    print(f"{args.device} {args.dtype}, {MODES[mode]} (training call, D = 128):\n")
     print(markdown(rows, names[False], names[True]))
     return 0
 

@@ -1,16 +1,21 @@
 """The dispatch table (`affine-attention backends`, ops/plan.py), planned on a CPU-only machine: on CUDA in bf16,
-eager and compiled, no mask kind falls to the exact T x S path; each row names what the backends above refused."""
+eager, compiled per decoder block (the mask function eager: padding read once, its runs carried into the graph) and
+compiled whole (padding unread), no mask kind falls to the exact T x S path and none to a NaN-poisoned guess; each
+row names what the backends above refused."""
 
 import pytest
 import torch
 
 from affine_attention import cli
-from affine_attention.ops.plan import CASES, dispatch_table
+from affine_attention.ops.plan import CASES, MODES, dispatch_table
+
+PADDED = ["padding, right", "padding, left", "padding, both sides", "decoding + padding",
+          "decoding + window + padding", "window + left padding"]
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_no_cuda_row_falls_to_exact(compiled):
-    rows = dispatch_table("cuda", torch.bfloat16, compiled)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_no_cuda_row_falls_to_exact(mode):
+    rows = dispatch_table("cuda", torch.bfloat16, mode)
     assert len(rows) == 2 * len(CASES)
     assert [r for r in rows if r.served_by not in ("sdpa", "cuda_flash", "flex")] == []
     served = {(r.mask, r.lse): r for r in rows}
@@ -18,12 +23,20 @@ def test_no_cuda_row_falls_to_exact(compiled):
         assert served[("softcap (Gemma 2)", lse)].served_by == "flex"
         assert served[("documents + padding", lse)].served_by == "flex"
         assert served[("window + right padding", lse)].served_by == "flex"
+        assert served[("padding, not contiguous", lse)].served_by == "flex"  # never cuda_flash with NaN rows
         assert served[("dense mask", lse)].served_by == "flex"
         assert served[("documents with cu_seq_lens", lse)].served_by == "cuda_flash"
         assert served[("window", lse)].served_by == "cuda_flash"
-    # Under compile cuda_flash cannot read the padding: windows with padding, documents without cu_seq_lens go to flex.
-    assert served[("documents without cu_seq_lens", True)].served_by == ("flex" if compiled else "cuda_flash")
-    assert served[("window + left padding", True)].served_by == ("flex" if compiled else "cuda_flash")
+    # Where the mask function reads the padding (eager, compiled blocks), contiguous padding and windows whose mask is
+    # all True reach cuda_flash; traced whole, the runs are unknown and flex serves every key mask.
+    known = mode != "model"
+    for name in PADDED + ["window + all-True padding"]:
+        assert served[(name, True)].served_by == ("cuda_flash" if known else "flex"), (name, mode)
+    assert served[("padding, all True (attention_mask of ones)", False)].served_by == ("sdpa" if known else "flex")
+    if not known:
+        assert "cannot be checked" in dict(served[("padding, left", True)].refused)["cuda_flash"]
+    # Documents without cu_seq_lens need a host sync for their segments: compiled, flex.
+    assert served[("documents without cu_seq_lens", True)].served_by == ("cuda_flash" if mode == "eager" else "flex")
     # Every backend asked before the one that serves gave its reason, in the dispatcher's order.
     softcap = served[("softcap (Gemma 2)", True)]
     assert [n for n, _ in softcap.refused] == ["sdpa", "cuda_flash"]
@@ -36,22 +49,25 @@ def test_on_cpu_the_exact_path_is_named():
     capped = rows[("softcap (Gemma 2)", True)]
     assert capped.served_by == "exact"
     assert dict(capped.refused)["flex"].startswith("runs on CUDA only")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        dispatch_table("cuda", torch.bfloat16, "compiled")
 
 
 def test_backends_command_prints_the_table(capsys):
     assert cli.main(["backends", "--device", "cuda", "--dtype", "bfloat16", "--compiled"]) == 0
     text = capsys.readouterr().out
+    assert text.startswith("cuda bfloat16, compiled per decoder block")
     lines = [ln for ln in text.splitlines() if ln.startswith("| ")]
     assert lines[0] == "| mask | variants | served by | refused before it |"
     assert len(lines) == 1 + 2 * len(CASES) and "`exact`" not in text
     assert any(ln.startswith("| softcap (Gemma 2) |") and "sink" in ln and "`flex`" in ln for ln in lines)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [[], ["--compiled"], ["--compiled", "model"]], ids=list(MODES))
 def test_docs_show_the_current_dispatch_table(capsys, compiled):
     from pathlib import Path
 
-    argv = ["backends", "--device", "cuda", "--dtype", "bfloat16"] + (["--compiled"] if compiled else [])
+    argv = ["backends", "--device", "cuda", "--dtype", "bfloat16"] + compiled
     assert cli.main(argv) == 0
     table = capsys.readouterr().out.strip()
     docs = (Path(__file__).parents[1] / "docs" / "kernels.md").read_text()

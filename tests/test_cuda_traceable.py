@@ -1,15 +1,16 @@
 """The CUDA paths without a GPU, as GPU users run them: compiled with fullgraph (no host sync, no graph break) for
-padding, packing, windows and decoding, traced on meta tensors through the real aten flash schemas; padded decoding
-hands the kernel the cache itself (no copy); the host-side mask checks run once per mask object (one per model
-forward); SDPA on CUDA never reaches cuDNN."""
+padding (its runs read eagerly), packing, windows and decoding, traced on meta tensors through the real aten flash
+schemas; padded decoding hands the kernel the cache itself (no copy); the host-side mask checks run once per mask
+object (one per model forward); SDPA on CUDA never reaches cuDNN."""
 
 import pytest
 import torch
 
 from affine_attention.ops import affine_scaled_attention, sink_attention, softmax_attention
+from affine_attention.ops import masks
 from affine_attention.ops.backends import cuda_flash, sdpa
 from affine_attention.ops.call import Score
-from affine_attention.ops.masks import MaskSpec, Varlen, parse_mask
+from affine_attention.ops.masks import MaskSpec, Varlen, parse_mask, read_key_runs
 from test_backends_cuda import _docs, _keys, model_backward, model_forward
 
 
@@ -44,8 +45,16 @@ def _op(name):
                                                           backend="cuda_flash", **kw)
 
 
-def _meta_mask(kw):
-    return {n: (t.to("meta") if torch.is_tensor(t) else t) for n, t in kw.items()}
+def _meta_mask(kw, B, Hq, T, S):
+    """The op keywords on meta; a key mask as the mask= the seam parses in a compiled layer: with the KeyRuns its
+    eager mask function read from the values (here: the CPU mask's, which the meta copy stands for)."""
+    meta = {n: (t.to("meta") if torch.is_tensor(t) else t) for n, t in kw.items()}
+    if "attn_mask" not in kw:
+        return meta
+    keys = meta["attn_mask"]
+    runs = read_key_runs(kw["attn_mask"])[1]._replace(keys=keys)
+    return {"mask": parse_mask(keys, meta.get("is_causal", False), B, Hq, T, S, keys.device,
+                               window=meta.get("window"), key_runs=runs)}
 
 
 # (name, T, S, op keywords): training with right / left / both-sided padding, a fully padded row, queries after a
@@ -71,7 +80,7 @@ def test_cuda_flash_traces_with_fullgraph(op, name, T, S, kw, on_cuda):
     extra = {"sinks": _meta(Hq, dtype=torch.float32), "alpha": _meta(B, Hq, T, dtype=torch.float32),
              "alpha_ma": torch.full((Hq,), 0.5, device="meta")}
     fn = _op(op)
-    mask_kw = _meta_mask(kw)
+    mask_kw = _meta_mask(kw, B, Hq, T, S)
 
     # AOTAutograd traces the backward from the compiled forward (as in training); fullgraph: no break allowed.
     out = torch.compile(lambda q, k, v: fn(q, k, v, extra, mask_kw), backend="aot_eager", fullgraph=True)(q, k, v)
@@ -99,13 +108,25 @@ def test_packed_documents_trace_with_transformers_cu_seqlens(on_cuda):
     assert "cu_seq_lens" in cuda_flash.reason(mask, 1)
 
 
-def test_window_with_unknown_padding_is_refused_not_guessed(on_cuda):
-    """Under compile (here: meta, whose values are unknown) a window with key padding may hide right padding, which
-    the kernel cannot serve: refused with the reason, never computed wrongly."""
-    keys = _keys(2, 16, [(0, 16)]).to("meta")
-    assert "window" in cuda_flash.reason(parse_mask(keys, True, 2, 4, 16, 16, torch.device("meta"), window=4), 2)
-    left = _keys(2, 16, [(3, 16)])
-    assert cuda_flash.reason(parse_mask(left, True, 2, 4, 16, 16, torch.device("cpu"), window=4), 2) is None
+def test_key_padding_with_unknown_runs_is_refused_not_guessed(on_cuda):
+    """Under compile (here: meta, whose values are unknown) without the runs read eagerly, a key mask may have holes
+    (varlen segments would be wrong) or right padding beside a window: refused with the reason, never computed with
+    a guess; with the runs read from the values, contiguous padding is served, and a window only without right
+    padding."""
+    meta = torch.device("meta")
+    for spans, window in (([(0, 16)], None), ([(3, 16)], 4)):
+        keys = _keys(2, 16, spans).to("meta")
+        assert "cannot be checked" in cuda_flash.reason(parse_mask(keys, True, 2, 4, 16, 16, meta, window=window), 2)
+    for spans, window, why in (([(3, 16)], 4, None), ([(0, 12)], None, None), ([(0, 12)], 4, "right key padding")):
+        cpu = _keys(2, 16, spans)
+        keys = cpu.to("meta")
+        runs = read_key_runs(cpu)[1]._replace(keys=keys)
+        got = cuda_flash.reason(parse_mask(keys, True, 2, 4, 16, 16, meta, window=window, key_runs=runs), 2)
+        assert (got is None) if why is None else why in got, (spans, window, got)
+    holes = _keys(2, 16, [(0, 16)])
+    holes[0, ..., 5] = False
+    runs = read_key_runs(holes)[1]._replace(keys=holes.to("meta"))
+    assert "contiguous" in cuda_flash.reason(parse_mask(runs.keys, True, 2, 4, 16, 16, meta, key_runs=runs), 2)
 
 
 def test_padded_decoding_hands_the_kernel_the_cache_itself(monkeypatch, on_cuda):
@@ -131,11 +152,12 @@ def test_padded_decoding_hands_the_kernel_the_cache_itself(monkeypatch, on_cuda)
 
 
 def test_host_checks_run_once_per_mask_object(monkeypatch, on_cuda):
-    """Every layer of a forward shares one MaskSpec: its host-side key-padding check (a sync) runs once for all of
-    them, and again only for a new mask object."""
+    """Every layer of a forward shares one MaskSpec: its host-side key-padding read (a sync) runs once for all of
+    them, again only for a new mask object, and not at all where the runs came with the mask (read by the seam's
+    mask function)."""
     calls = []
-    real = cuda_flash._key_host_facts
-    monkeypatch.setattr(cuda_flash, "_key_host_facts", lambda mask, B: calls.append(1) or real(mask, B))
+    real = masks.read_key_runs
+    monkeypatch.setattr(masks, "read_key_runs", lambda keys: calls.append(1) or real(keys))
     monkeypatch.setattr(cuda_flash, "_ops", lambda: (model_forward, model_backward))
     q, k, v = (torch.randn(2, 4, 12, 8, dtype=torch.float64) for _ in range(3))
     keys = _keys(2, 12, [(0, 9), (2, 12)])
@@ -144,6 +166,9 @@ def test_host_checks_run_once_per_mask_object(monkeypatch, on_cuda):
         softmax_attention(q, k, v, mask=mask, backend="cuda_flash")
     assert len(calls) == 1
     softmax_attention(q, k, v, attn_mask=keys, is_causal=True, backend="cuda_flash")
+    assert len(calls) == 2
+    carried = parse_mask(keys, True, 2, 4, 12, 12, q.device, key_runs=real(keys)[1])
+    softmax_attention(q, k, v, mask=carried, backend="cuda_flash")
     assert len(calls) == 2
 
 
@@ -182,25 +207,20 @@ def test_sdpa_on_cuda_never_uses_cudnn(monkeypatch):
 
 
 @pytest.mark.parametrize("variant", ["softmax", "sink", "affine_gated"])
-@pytest.mark.parametrize("batch", ["padded", "packed"])
-def test_converted_model_trains_through_cuda_flash_with_fullgraph(variant, batch, on_cuda):
-    """A converted model's compiled training step (fullgraph) through the CUDA kernel, on meta tensors: right-padded
-    rows, and packed rows with DataCollatorWithFlattening's FlashAttention kwargs (cu_seq_lens, max_length)."""
+def test_converted_model_trains_through_cuda_flash_with_fullgraph(variant, on_cuda):
+    """A converted model's compiled training step (fullgraph) through the CUDA kernel, on meta tensors: packed rows
+    with DataCollatorWithFlattening's FlashAttention kwargs (cu_seq_lens, max_length). (Padded rows in a model traced
+    whole reach flex, their runs unknown: tests/test_backends_plan.py; compiled per block: test_compiled_key_runs.)"""
     from test_hf_common import tiny
 
     from affine_attention.ops.backends import use_backend
 
     model = tiny("llama", variant).to(torch.bfloat16).train().to("meta")
     T = 24
-    if batch == "padded":
-        ids = torch.zeros(3, T, dtype=torch.long, device="meta")
-        inputs = {"input_ids": ids, "attention_mask": torch.ones(3, T, dtype=torch.long, device="meta"),
-                  "labels": ids}
-    else:
-        cu = torch.tensor([0, 7, 15, 24], dtype=torch.int32, device="meta")
-        ids = torch.zeros(1, T, dtype=torch.long, device="meta")
-        inputs = {"input_ids": ids, "position_ids": torch.zeros(1, T, dtype=torch.long, device="meta"),
-                  "labels": ids, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 9, "max_length_k": 9}
+    cu = torch.tensor([0, 7, 15, 24], dtype=torch.int32, device="meta")
+    ids = torch.zeros(1, T, dtype=torch.long, device="meta")
+    inputs = {"input_ids": ids, "position_ids": torch.zeros(1, T, dtype=torch.long, device="meta"),
+              "labels": ids, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 9, "max_length_k": 9}
     with use_backend("cuda_flash"):
         loss = torch.compile(model, backend="aot_eager", fullgraph=True)(use_cache=False, **inputs).loss
         loss.backward()

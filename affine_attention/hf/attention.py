@@ -20,7 +20,7 @@ from transformers.masking_utils import (
 from transformers.utils import is_tracing
 
 from ..ops.call import AttentionCall, make_score
-from ..ops.masks import Varlen, parse_mask
+from ..ops.masks import KeyRuns, Varlen, parse_mask, read_key_runs
 from . import cache as value_cache
 from . import packing
 from .families import HONOURED_KWARGS, INERT_KWARGS, REQUIRED_VALUES, family_of_config
@@ -76,14 +76,17 @@ class KeyPadding(NamedTuple):
     keys: (B, 1, 1, S) bool, True on real keys. A type of its own rather than the bare tensor: a (B, 1, 1, S) bool
     tensor that reaches the attention function is a user's own mask, which transformers' SDPA reads without the
     causal rule (each query sees every unmasked key); only the type tells the two apart, also in a traced graph.
-    It rides in `attention_mask`, the argument every decoder layer forwards by name."""
+    It rides in `attention_mask`, the argument every decoder layer forwards by name.
+    runs: the KeyRuns read from `keys` when the mask function ran eagerly (also when only the decoder layers are
+    compiled), so that compiled layers, which cannot read values, know them; None where it was traced."""
 
     keys: Tensor
+    runs: KeyRuns | None = None
 
 
 def _variant_mask(mask, B: int, T: int, S: int, training: bool):
     """HF mask -> (attn_mask for the variant, is_causal, token_mask (B, T) or None, keys (B|1, S) or None,
-    documents (B|1, S) or None).
+    documents (B|1, S) or None, KeyRuns of attn_mask or None).
 
     None: plain causal. KeyPadding (made by `structured_mask`): key padding under the causal rule. A (B|1, 1, 1, S)
     integer tensor (the packing hook's `packing.documents_mask`): packed documents under the causal rule. Any 4D
@@ -95,11 +98,11 @@ def _variant_mask(mask, B: int, T: int, S: int, training: bool):
     the same pair once per model forward).
     """
     if mask is None:
-        return None, True, None, None, None
+        return None, True, None, None, None, None
     if isinstance(mask, KeyPadding):
         keys = mask.keys
         token_mask = keys[:, 0, 0, S - T:].expand(B, T) if training and S >= T else None
-        return keys, True, token_mask, keys[:, 0, 0, :], None
+        return keys, True, token_mask, keys[:, 0, 0, :], None, mask.runs
     if not isinstance(mask, Tensor) or mask.dim() != 4:
         raise ValueError(f"affine_attention expects a 4D boolean attention mask (B, 1, T, S) or None, got "
                          f"{type(mask).__name__} of shape {tuple(getattr(mask, 'shape', ()))}")
@@ -108,7 +111,7 @@ def _variant_mask(mask, B: int, T: int, S: int, training: bool):
             raise ValueError(f"an integer 4D attention_mask is read as packed document ids (B, 1, 1, S) of a batch "
                              f"without a cache (packing.documents_mask); got shape {tuple(mask.shape)}, T = {T}, "
                              f"S = {S}")
-        return None, True, None, None, mask[:, 0, 0, :]
+        return None, True, None, None, mask[:, 0, 0, :], None
     if mask.dtype != torch.bool:
         raise ValueError(f"affine_attention expects a boolean 4D mask (True = may attend), got dtype {mask.dtype}; "
                          "pass a 2D padding mask or a boolean 4D mask")
@@ -125,8 +128,8 @@ def _variant_mask(mask, B: int, T: int, S: int, training: bool):
     # One query (decoding, static caches included): bottom-right causal hides nothing, so both readings coincide and
     # the key form keeps windows and the running sum of V on their fast paths.
     if key_only and T == 1:
-        return mask, True, token_mask, mask[:, 0, 0, :], None
-    return mask, False, token_mask, None, None
+        return mask, True, token_mask, mask[:, 0, 0, :], None, None
+    return mask, False, token_mask, None, None, None
 
 
 def _layer_mask(masks: dict | None, attention_mask, query: Tensor, key: Tensor, training: bool,
@@ -145,14 +148,14 @@ def _layer_mask(masks: dict | None, attention_mask, query: Tensor, key: Tensor, 
         # The memo holds the object it was keyed by: its id cannot be reused during the forward.
         if hit is not None and hit[0] is attention_mask:
             return hit[1]
-    attn_mask, is_causal, token_mask, keys, documents = _variant_mask(attention_mask, B, T, S, training)
+    attn_mask, is_causal, token_mask, keys, documents, runs = _variant_mask(attention_mask, B, T, S, training)
     if sliding_window is not None and not is_causal:
         raise ValueError(f"a sliding window ({sliding_window}) with a dense attention mask; pass the mask transformers "
                          "builds for the model")
     # Packed rows (see packing.py) and sliding windows stay structured: the variants get document ids / a window
     # instead of a dense (T, S) mask, so their fast paths run.
     spec = parse_mask(attn_mask, is_causal, B, Hq, T, S, query.device, window=sliding_window if is_causal else None,
-                      document_ids=documents, varlen=varlen if documents is not None else None)
+                      document_ids=documents, varlen=varlen if documents is not None else None, key_runs=runs)
     result = (spec, token_mask, keys)
     if masks is not None and not torch.compiler.is_compiling():
         masks[key_] = (attention_mask, result)
@@ -299,8 +302,12 @@ def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     if padding is None:
         return None
-    padding = padding[:, kv_offset:kv_offset + kv_length].to(torch.bool)  # (B, S)
-    if not is_tracing(padding) and bool(padding.all()):
-        return None  # reading values breaks a compiled graph, so traced code keeps the (equivalent) key mask
-    return KeyPadding(padding[:, None, None, :])
+    keys = padding[:, kv_offset:kv_offset + kv_length].to(torch.bool)[:, None, None, :]  # (B, 1, 1, S)
+    # Read once per forward where values can be read (eager, also when only the decoder layers are compiled): an
+    # all-True mask is dropped (windows and plain causal keep their dense kernels), and compiled layers get the runs.
+    # Traced, reading would break the graph: the key mask is kept, its runs unknown.
+    read = None if is_tracing(keys) else read_key_runs(keys)
+    if read is not None and read[0]:
+        return None
+    return KeyPadding(keys, None if read is None else read[1])
 

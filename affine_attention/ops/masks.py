@@ -21,6 +21,45 @@ class Varlen(NamedTuple):
     max_k: int
 
 
+class KeyRuns(NamedTuple):
+    """What one host read of key padding tells the kernels, made where reading is allowed (eagerly: the seam's mask
+    function, once per model forward) and carried into compiled code, which cannot read values (`read_key_runs`).
+
+    keys: the (B|1, 1, 1, S) bool tensor they were read from; they hold for it alone (MaskSpec refuses them beside
+      any other tensor, and a compiled graph guards on their values, so a graph made for one mask's facts is never
+      reused for another's).
+    contiguous: every row's valid keys are one run; right: some row has padding after its last valid key."""
+
+    keys: Tensor
+    contiguous: bool
+    right: bool
+
+
+def key_spans(keys: Tensor, B: int) -> tuple[Tensor, Tensor, Tensor]:
+    """keys: (B|1, 1, 1, S) bool -> first, end (B,) int64: the run [first, end) of each row's valid keys, and
+    contiguous (B,) bool (False where the valid keys are not one run). A row without a valid key has first = end = S.
+    Computed on the device (no host sync)."""
+    S = keys.shape[-1]
+    keys = keys.reshape(keys.shape[0], S).expand(B, S)
+    n = keys.sum(1)
+    first = keys.int().argmax(1)
+    end = S - keys.flip(1).int().argmax(1)
+    none = n == 0
+    first, end = first.masked_fill(none, S), end.masked_fill(none, S)
+    return first, end, none | (n == end - first)
+
+
+def read_key_runs(keys: Tensor) -> tuple[bool, KeyRuns] | None:
+    """keys: (B|1, 1, 1, S) bool -> (every key valid, the KeyRuns of `keys`) in one host sync; None where values
+    cannot be read (compiling, meta tensors)."""
+    if torch.compiler.is_compiling() or keys.device.type == "meta":
+        return None
+    first, end, contiguous = key_spans(keys, keys.shape[0])
+    every, runs, right = torch.stack([keys.all(), contiguous.all(), ((end < keys.shape[-1]) & (first < end)).any()
+                                      ]).tolist()
+    return bool(every), KeyRuns(keys, bool(runs), bool(right))
+
+
 @dataclass(frozen=True)
 class MaskSpec:
     """Which keys each query may see.
@@ -34,6 +73,7 @@ class MaskSpec:
     documents: (B|1, S) int64 document id of every key position, non-decreasing along S (packed rows); query i
       has the id of key position i + S - T and sees only keys of its own document. None if absent.
     varlen: the same documents as cumulative lengths, when the caller has them (one packed row, T == S).
+    key_runs: KeyRuns read from `keys` itself where values could be read (see `runs`); None if not read.
 
     Built once per op call, or once per model forward at the transformers seam and shared by every layer, so what a
     kernel derives from it (`derived`: varlen segments, host-side checks) is computed once per forward, not per layer.
@@ -47,6 +87,7 @@ class MaskSpec:
     window: int | None = None
     documents: Tensor | None = None
     varlen: Varlen | None = None
+    key_runs: KeyRuns | None = field(default=None, repr=False, compare=False)
 
     # Read several times per op call (isolation, backend choice, the mean of V): computed once, at construction.
     kinds: frozenset[str] = field(init=False, repr=False, compare=False)
@@ -69,6 +110,18 @@ class MaskSpec:
             kinds.add("dense")
         object.__setattr__(self, "kinds", frozenset(kinds))
         object.__setattr__(self, "_derived", {})
+        runs = self.key_runs
+        if runs is not None and (not isinstance(runs, KeyRuns) or runs.keys is not self.keys):
+            raise ValueError("key_runs hold for the tensor they were read from, and this mask's keys are another "
+                             "(or absent): read them from the key mask itself with masks.read_key_runs")
+
+    def runs(self) -> KeyRuns | None:
+        """The key padding's KeyRuns: those carried in (read eagerly, e.g. by the seam's mask function), else read
+        here once per mask object (one host sync), else None (compiling without them, meta tensors)."""
+        if self.keys is None or self.key_runs is not None:
+            return self.key_runs
+        read = self.derived("masks.key_runs", lambda: read_key_runs(self.keys))
+        return None if read is None else read[1]
 
     def derived(self, key: Any, make: Callable[[], Any]) -> Any:
         """make(), computed once per mask object and key: every layer of a forward shares the mask, so work a kernel
@@ -220,14 +273,18 @@ def _check_varlen(varlen, documents: Tensor | None, B: int, T: int, S: int, devi
 
 def parse_mask(attn_mask: Tensor | None, is_causal: bool, B: int, Hq: int, T: int, S: int,
                device: torch.device, *, window: int | None = None, document_ids: Tensor | None = None,
-               varlen: Varlen | None = None) -> MaskSpec:
+               varlen: Varlen | None = None, key_runs: KeyRuns | None = None) -> MaskSpec:
     """Validate attn_mask (bool, broadcastable to (B, Hq, T, S), True = may attend), window, document_ids
-    ((B, S) int) and varlen (the same documents as cumulative lengths, see Varlen), and classify them."""
+    ((B, S) int), varlen (the same documents as cumulative lengths, see Varlen) and key_runs (read from attn_mask
+    itself, a (B|1, 1, 1, S) key mask, by read_key_runs), and classify them."""
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
     window = _check_window(window, is_causal)
     documents = _check_documents(document_ids, B, T, S, device)
     varlen = _check_varlen(varlen, documents, B, T, S, device)
+    if key_runs is not None and (not isinstance(key_runs, KeyRuns) or key_runs.keys is not attn_mask):
+        raise ValueError("key_runs must be the masks.KeyRuns read from attn_mask itself (read_key_runs(attn_mask)); "
+                         "facts read from another tensor would describe another mask")
     if attn_mask is None:
         return MaskSpec(T, S, is_causal, None, None, window, documents, varlen)
     if not isinstance(attn_mask, Tensor):
@@ -239,7 +296,7 @@ def parse_mask(attn_mask: Tensor | None, is_causal: bool, B: int, Hq: int, T: in
     if attn_mask.dim() > 4 or attn_mask.dim() < 1:
         raise ValueError(f"attn_mask must have rank 1..4, broadcastable to (B, Hq, T, S) = {(B, Hq, T, S)}, "
                          f"got shape {tuple(attn_mask.shape)}")
-    m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    m = attn_mask if attn_mask.dim() == 4 else attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     for size, want, name in zip(m.shape, (B, Hq, T, S), ("B", "Hq", "T", "S")):
         if size != 1 and size != want:  # not `in (1, want)`: dynamo misreads `in` on SymInts
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, Hq, T, S) = "
@@ -248,7 +305,13 @@ def parse_mask(attn_mask: Tensor | None, is_causal: bool, B: int, Hq: int, T: in
         raise ValueError(f"attn_mask is on {m.device} but q is on {device}")
     if m.shape[1] == 1 and m.shape[2] == 1:
         # A key mask always spans S (a (..., 1) mask broadcast over keys would count 1 visible key, not S).
-        return MaskSpec(T, S, is_causal, m.expand(*m.shape[:3], S), None, window, documents, varlen)
+        keys = m if m.shape[3] == S else m.expand(*m.shape[:3], S)
+        if key_runs is not None:  # read from attn_mask, of which keys is a view made here
+            key_runs = key_runs._replace(keys=keys)
+        return MaskSpec(T, S, is_causal, keys, None, window, documents, varlen, key_runs)
+    if key_runs is not None:
+        raise ValueError(f"key_runs describe a key mask (B|1, 1, 1, S), but attn_mask {tuple(attn_mask.shape)} "
+                         "varies over queries or heads")
     return MaskSpec(T, S, is_causal, None, m, window, documents, varlen)
 
 

@@ -1,10 +1,13 @@
 """The dispatch table: for every mask kind the library knows, which backend serves the call and why each one the
 automatic choice asks before it refuses; planned without running a kernel, so it prints on a CPU-only machine.
 
-Eager calls are planned on CPU tensors that hold the mask's values (what eager host checks read) and compiled calls
-on meta tensors (whose values, as inside a compiled graph, cannot be read), both with the call's device type set to
-the asked one. Backends with a platform check (CUDA present, flash kernels built, triton) are asked as on a machine
-that passes it, unless this machine has that device: then they answer for it.
+Three modes (MODES): eager calls are planned on CPU tensors that hold the mask's values (what eager host checks read);
+compiled calls on meta tensors (whose values, as inside a compiled graph, cannot be read). Key padding reaches the
+layers as the seam's mask function hands it: where that function runs eagerly (eager, and models whose decoder
+layers are compiled one by one) it reads the mask once, drops an all-True one and attaches its runs; where the whole
+model is traced, the mask stays and its runs are unknown. The call's device type is the asked one; backends with a
+platform check (CUDA present, flash kernels built, triton) are asked as on a machine that passes it, unless this
+machine has that device: then they answer for it.
 """
 from __future__ import annotations
 
@@ -18,9 +21,14 @@ import torch
 from . import backends
 from .backends.base import Call
 from .call import make_score
-from .masks import Varlen, parse_mask
+from .masks import KeyRuns, Varlen, parse_mask, read_key_runs
 
 B, HQ, HKV, D, T, S = 2, 8, 2, 128, 256, 256
+
+#: mode -> how the table's heading names it.
+MODES = {"eager": "eager",
+         "blocks": "compiled per decoder block, padding read once per forward by the eager mask function",
+         "model": "compiled whole model, padding not read (the mask function traced)"}
 
 
 class Case(NamedTuple):
@@ -42,11 +50,13 @@ class Case(NamedTuple):
 CASES = [
     Case("causal"),
     Case("causal after a cache (chunked prefill, T < S)", T=64),
+    Case("padding, all True (attention_mask of ones)", keys=((0, 256), (0, 256))),
     Case("padding, right", keys=((0, 200), (0, 256))),
     Case("padding, left", keys=((56, 256), (0, 256))),
     Case("padding, both sides", keys=((10, 200), (0, 256))),
     Case("padding, not contiguous", keys="holes"),
     Case("window", window=64),
+    Case("window + all-True padding", window=64, keys=((0, 256), (0, 256))),
     Case("window + left padding", window=64, keys=((56, 256), (0, 256))),
     Case("window + right padding", window=64, keys=((0, 200), (0, 256))),
     Case("documents with cu_seq_lens", docs=(100, 60, 96), varlen=True, batch=1),
@@ -61,10 +71,12 @@ CASES = [
 ]
 
 
-def _mask(case: Case, device: torch.device):
-    """The case's MaskSpec with its tensors on `device` (CPU: values readable; meta: not, as when compiling)."""
+def _mask(case: Case, mode: str):
+    """The case's MaskSpec as the layers of `mode` get it: tensors on CPU (eager: values readable) or meta (compiled:
+    not); key padding as the seam's mask function hands it (read where it runs eagerly, see the module docstring)."""
+    device = torch.device("cpu" if mode == "eager" else "meta")
     b = case.batch
-    keys = docs = varlen = dense = None
+    keys = docs = varlen = dense = runs = None
     if case.keys == "holes":
         keys = torch.ones(b, 1, 1, case.S, dtype=torch.bool)
         keys[0, ..., 40:60] = False
@@ -72,6 +84,11 @@ def _mask(case: Case, device: torch.device):
         keys = torch.zeros(b, 1, 1, case.S, dtype=torch.bool)
         for row, (first, end) in enumerate(case.keys):
             keys[row, ..., first:end] = True
+    if keys is not None and mode != "model":
+        every, runs = read_key_runs(keys)
+        keys = None if every else keys.to(device)
+        # The runs read from the CPU values, for the copy on `device` that stands for them.
+        runs = None if keys is None else KeyRuns(keys, runs.contiguous, runs.right)
     if case.docs is not None:
         lengths = torch.tensor(case.docs)
         docs = torch.repeat_interleave(torch.arange(len(case.docs)), lengths)[None]
@@ -81,7 +98,8 @@ def _mask(case: Case, device: torch.device):
         dense = torch.rand(b, 1, case.T, case.S, generator=torch.Generator().manual_seed(0)) < 0.5
     attn = keys if keys is not None else dense
     return parse_mask(None if attn is None else attn.to(device), dense is None, b, HQ, case.T, case.S, device,
-                      window=case.window, document_ids=None if docs is None else docs.to(device), varlen=varlen)
+                      window=case.window, document_ids=None if docs is None else docs.to(device), varlen=varlen,
+                      key_runs=runs)
 
 
 @contextlib.contextmanager
@@ -108,15 +126,17 @@ class Row(NamedTuple):
     refused: list[tuple[str, str]]  # (backend, why) of every backend asked before it
 
 
-def dispatch_table(device_type: str = "cuda", dtype: torch.dtype = torch.bfloat16, compiled: bool = False,
+def dispatch_table(device_type: str = "cuda", dtype: torch.dtype = torch.bfloat16, mode: str = "eager",
                    cases: list[Case] | None = None) -> list[Row]:
-    """Which backend serves each case, for calls that need no lse and for calls that do, as the automatic choice
-    decides it (backends.explain) for a training call (requires_grad), B = 2, Hq/Hkv = 8/2, D = 128."""
-    where = torch.device("meta" if compiled else "cpu")
+    """Which backend serves each case in `mode` (one of MODES), for calls that need no lse and for calls that do, as
+    the automatic choice decides it (backends.explain) for a training call (requires_grad), B = 2, Hq/Hkv = 8/2,
+    D = 128."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
     rows = []
     with _platform_assumed(device_type):
         for case in cases or CASES:
-            mask = _mask(case, where)
+            mask = _mask(case, mode)
             for lse in (False, True):
                 score = make_score(None, case.softcap, D)
                 call = Call(device_type, dtype, case.batch, HQ, HKV, case.T, case.S, D, mask, lse, True, score)

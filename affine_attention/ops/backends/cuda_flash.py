@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..._compat import float_acc
 from ..call import Score
-from ..masks import MaskSpec
+from ..masks import MaskSpec, key_spans
 from .base import Backend, Call, register
 
 # The kernel's limits (pytorch's vendored FA2): fp16/bf16, head dim a multiple of 8 and at most 256.
@@ -82,34 +82,6 @@ def _cumulative(counts: Tensor) -> Tensor:
     return torch.cat([flat.new_zeros(1), flat.cumsum(0)]).to(torch.int32)
 
 
-def _spans(mask: MaskSpec, B: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Key padding as one run of valid keys [first, end) per row: first, end (B,) int64 and contiguous (B,) bool
-    (False where the valid keys are not one run). A row without a valid key has first = end = S. On the device."""
-    S = mask.S
-    keys = mask.keys.reshape(mask.keys.shape[0], S).expand(B, S)
-    n = keys.sum(1)
-    first = keys.int().argmax(1)
-    end = S - keys.flip(1).int().argmax(1)
-    none = n == 0
-    first, end = first.masked_fill(none, S), end.masked_fill(none, S)
-    return first, end, none | (n == end - first)
-
-
-def _key_host_facts(mask: MaskSpec, B: int) -> tuple[bool, bool] | None:
-    """(every row one contiguous run, some row right-padded: its last valid key before S), read once per mask (one
-    host sync per forward at the seam); None where values cannot be read (compiling, meta)."""
-    if not mask.host_facts_known():
-        return None
-    first, end, contiguous = _spans(mask, B)
-    ok, right = torch.stack([contiguous.all(), ((end < mask.S) & (first < end)).any()]).tolist()
-    return bool(ok), bool(right)
-
-
-def _may_have_right_padding(mask: MaskSpec, B: int) -> bool:
-    facts = mask.derived(("cuda_flash.keys", B), lambda: _key_host_facts(mask, B))
-    return facts is None or facts[1]
-
-
 def _key_parts(mask: MaskSpec, B: int, Hq: int, Hkv: int) -> list[Part]:
     """Key padding as varlen segments over the un-padded flat layout, with no host sync and no copy of the keys.
 
@@ -121,7 +93,7 @@ def _key_parts(mask: MaskSpec, B: int, Hq: int, Hkv: int) -> list[Part]:
     One decoding query (T = 1) without a window folds each KV head's group of query heads into one segment.
     """
     T, S = mask.T, mask.S
-    first, end, _ = _spans(mask, B)
+    first, end, _ = key_spans(mask.keys, B)
     if T == 1 and "window" not in mask.kinds:
         return [_fold_part(first, end, S, Hkv, Hq // Hkv)]
     zero = torch.zeros_like(first)
@@ -133,7 +105,7 @@ def _key_parts(mask: MaskSpec, B: int, Hq: int, Hkv: int) -> list[Part]:
     n_v = T - n_a - n_c
     parts = [Part(None, None, _cumulative(torch.stack([n_a, zero, n_v, n_c, zero], 1)),
                   _cumulative(torch.stack([zero, first, end - first, zero, S - end], 1)), T, S, True)]
-    if _may_have_right_padding(mask, B):
+    if mask.runs().right:
         pos = torch.arange(T, device=first.device) + (S - T)
         late = (pos[None, :] >= end[:, None]).reshape(B * T)
         parts.append(Part(None, None, _cumulative(torch.stack([n_a + n_v, zero, n_c, zero], 1)),
@@ -151,15 +123,17 @@ def _fold_part(first: Tensor, end: Tensor, S: int, Hkv: int, G: int) -> Part:
                 _cumulative(torch.stack([first, end - first, S - end], 2)), G, S, False, fold=True)
 
 
-def _key_padding_reason(mask: MaskSpec, B: int) -> str | None:
-    facts = mask.derived(("cuda_flash.keys", B), lambda: _key_host_facts(mask, B))
-    if facts is not None and not facts[0]:
+def _key_padding_reason(mask: MaskSpec) -> str | None:
+    runs = mask.runs()
+    if runs is None:
+        # Varlen segments need one run of valid keys per row; a graph cannot check that, and a guess would be wrong.
+        return ("key padding whose runs cannot be checked under torch.compile (nothing read them eagerly): compile "
+                "the decoder layers rather than the whole model (the seam's mask function then reads them once per "
+                "forward), or parse the mask outside the graph with parse_mask(..., key_runs=read_key_runs(keys))")
+    if not runs.contiguous:
         return "key padding that is not one contiguous run of valid keys per row"
-    if "window" in mask.kinds and (facts is None or facts[1]):
-        # Queries past the last valid key would need a per-row window offset.
-        return ("a sliding window with key padding that may be right padding (under torch.compile whether a row is "
-                "right-padded is unknown); left padding is exact in eager mode" if facts is None else
-                "a sliding window with right key padding; left padding is exact")
+    if "window" in mask.kinds and runs.right:
+        return "a sliding window with right key padding (queries past the last valid key need a per-row offset)"
     return None
 
 
@@ -202,7 +176,7 @@ def reason(mask: MaskSpec, B: int) -> str | None:
     if mask.documents is not None:
         return _documents_reason(mask)
     if mask.keys is not None:
-        return _key_padding_reason(mask, B)
+        return _key_padding_reason(mask)
     return None
 
 
@@ -247,15 +221,6 @@ def _zero_rows(x: Tensor, empty: Tensor, mask: MaskSpec) -> Tensor:
     """x with the rows of queries that see no key set to 0 (the kernel's own zeros are not relied on).
     x: (..., D); empty: bool of x's shape without D."""
     return x.masked_fill(empty[..., None], 0) if _may_have_empty_rows(mask) else x
-
-
-def _poison_broken_rows(out: Tensor, mask: MaskSpec, B: int) -> Tensor:
-    """out: (B, Hq, T, D). Under torch.compile a key mask's contiguity cannot be checked on the host; a row whose
-    valid keys are not one run gets nan, never a silently wrong result (eager mode checks and refuses)."""
-    if mask.keys is None or mask.documents is not None or mask.host_facts_known():
-        return out
-    _, _, contiguous = _spans(mask, B)
-    return out.masked_fill(~contiguous[:, None, None, None], float("nan"))
 
 
 def _unused(device) -> tuple[Tensor, Tensor]:
@@ -325,7 +290,7 @@ class CudaFlashBackend(Backend):
         out = _zero_rows(out, empty.t(), mask)
         lse = lse.masked_fill(empty, float("-inf")).to(float_acc(q.dtype))
         out = out.view(B, T, Hq, D).transpose(1, 2)
-        return _poison_broken_rows(out, mask, B), lse.view(Hq, B, T).transpose(0, 1)
+        return out, lse.view(Hq, B, T).transpose(0, 1)
 
     def backward(self, dout, q, k, v, out, lse, mask, score):
         scale = score.scale
