@@ -217,7 +217,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _enumerated("cohere_compass_text", "CohereCompassTextConfig", "CohereCompassForCausalLM",
                 "q_proj, k_proj, v_proj (no bias)", "sliding window; NoPE full layers",
                 tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES, rope_parameters={
-                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": None}),
+                    # its rotary splits the head's frequencies (8 at head_dim 16) into mrope sections (5.17 needs them)
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+                    "full_attention": None}),
                 rope_per_layer_type=True, keys={"rms_norm_eps": "layer_norm_eps"}),
     _enumerated("cwm", "CwmConfig", "CwmForCausalLM", "q_proj, k_proj, v_proj (no bias)", "sliding window",
                 tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES), configurable_bias=False),
