@@ -166,6 +166,24 @@ def test_a_window_the_decoder_masks_but_does_not_pass_is_the_converted_layers_wi
         attention_forward(layers[0], q, kv, kv, None, sliding_window=8, **{X_KWARG: torch.randn(1, 3, 64)})
 
 
+def test_zayas_convolutions_carry_across_packed_documents_in_eager_and_converted_alike():
+    # Its q, k and v come from short convolutions over neighbouring tokens before attention: packed documents are not
+    # kept apart by transformers' eager model, nor (the same computation) by the converted one.
+    candidate = _candidate("zaya")
+    base = survey.tiny_model(candidate)
+    assert any(isinstance(m, torch.nn.Conv1d) for m in base.model.layers[0].self_attn.qkv_proj.modules())
+    soft = survey.converted(base, candidate, "softmax")
+    base.set_attn_implementation("eager")
+    lens = (5, 4, 6)
+    ids = torch.randint(3, 128, (1, sum(lens)), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    with torch.no_grad():
+        eager = base(ids, position_ids=pos, use_cache=False).logits
+        alone = torch.cat([base(part, use_cache=False).logits for part in ids.split(lens, dim=1)], 1)
+        packed = soft(ids, position_ids=pos, use_cache=False).logits
+    assert survey._gap(packed, eager) <= survey.TOL and survey._gap(eager, alone) > 0.01
+
+
 def test_a_multimodal_models_encoders_would_run_the_seam_without_a_variant():
     # Phi-4-multimodal's causal LM holds its vision and audio encoders: converted anyway, their attention modules
     # run under the seam's implementation name and hold no variant.
