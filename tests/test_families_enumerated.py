@@ -144,8 +144,6 @@ def test_a_window_the_decoder_masks_but_does_not_pass_is_the_converted_layers_wi
     model_class = getattr(transformers, TABLE[model_type].model_class)
     attention = getattr(sys.modules[model_class.__module__], model_class.__name__.replace("ForCausalLM", "Attention"))
     assert "sliding_window=" not in inspect.getsource(attention.forward)
-    verdict = _verdict(model_type)
-    assert verdict.exact, (verdict.reason, verdict.detail)
     candidate = _candidate(model_type)
     base = survey.tiny_model(candidate)
     soft = survey.converted(base, candidate, "softmax")
@@ -155,6 +153,7 @@ def test_a_window_the_decoder_masks_but_does_not_pass_is_the_converted_layers_wi
     ids, mask, pos = survey._padded(True)
     with torch.no_grad():
         want = base(ids, attention_mask=mask, position_ids=pos).logits
+        assert survey._gap(soft(ids, attention_mask=mask, position_ids=pos).logits, want, mask.bool()) <= survey.TOL
         for a in layers:  # the conversion before: these layers ran without a window
             setattr(a, LAYER_WINDOW_ATTR, None)
         assert survey._gap(soft(ids, attention_mask=mask, position_ids=pos).logits, want, mask.bool()) > 0.01
