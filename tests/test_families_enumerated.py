@@ -17,9 +17,11 @@ from test_hf_common import VOCAB  # noqa: F401  (skips without transformers, reg
 
 import affine_attention
 from affine_attention.hf import family_survey as survey
+from affine_attention.hf.attention import ATTN_IMPLEMENTATION, LAYER_WINDOW_ATTR, X_KWARG, attention_forward
 from affine_attention.hf.families import FAMILIES, family_names
 from affine_attention.hf.families_refused import ABSENT_IN_LOWEST, ALIASES, LOWEST, REFUSED
 from affine_attention.hf.family_docs import families_markdown
+from affine_attention.hf.layers import attention_layers
 from affine_attention.variants import get_variant, variant_names
 
 CANDIDATES = {c.model_type: c for c in survey.candidates()}
@@ -61,7 +63,7 @@ def test_the_candidates_come_from_transformers_and_every_one_is_recorded():
 
 @pytest.mark.parametrize("model_type", EXACT)
 def test_every_table_family_converts_exactly(model_type):
-    verdict = survey.check(_candidate(model_type))
+    verdict = _verdict(model_type)
     assert verdict.exact, f"{model_type}: {verdict.reason}: {verdict.detail} {verdict.deltas}"
     assert set(verdict.deltas) == set(survey.CHECKS) | {"packed_eager"}
 
@@ -135,6 +137,65 @@ def test_a_decoder_that_drops_kwargs_keeps_packed_documents_apart(model_type):
     assert verdict.exact, (verdict.reason, verdict.detail)
 
 
+@pytest.mark.parametrize("model_type, windows", [("phimoe", [4, 4]), ("qwen2_moe", [4, None])])
+def test_a_window_the_decoder_masks_but_does_not_pass_is_the_converted_layers_window(model_type, windows):
+    # Their attention calls the attention function without sliding_window; eager attention reads only the mask, which
+    # their decoder builds with config.sliding_window (PhiMoE: every layer; Qwen2-MoE: layer_types' sliding layers).
+    model_class = getattr(transformers, TABLE[model_type].model_class)
+    attention = getattr(sys.modules[model_class.__module__], model_class.__name__.replace("ForCausalLM", "Attention"))
+    assert "sliding_window=" not in inspect.getsource(attention.forward)
+    candidate = _candidate(model_type)
+    base = survey.tiny_model(candidate)
+    soft = survey.converted(base, candidate, "softmax")
+    layers = attention_layers(soft)
+    assert [getattr(a, LAYER_WINDOW_ATTR) for a in layers] == windows
+    base.set_attn_implementation("eager")  # the reference: transformers' eager attention
+    ids, mask, pos = survey._padded(True)
+    with torch.no_grad():
+        want = base(ids, attention_mask=mask, position_ids=pos).logits
+        assert survey._gap(soft(ids, attention_mask=mask, position_ids=pos).logits, want, mask.bool()) <= survey.TOL
+        for a in layers:  # the conversion before: these layers ran without a window
+            setattr(a, LAYER_WINDOW_ATTR, None)
+        assert survey._gap(soft(ids, attention_mask=mask, position_ids=pos).logits, want, mask.bool()) > 0.01
+    # a window passed beside the masked one must be that one
+    q = torch.randn(1, 4, 3, 16)
+    kv = torch.randn(1, 2, 3, 16)
+    setattr(layers[0], LAYER_WINDOW_ATTR, 4)
+    with pytest.raises(ValueError, match="passes sliding_window=8, but its decoder masks a window of 4"):
+        attention_forward(layers[0], q, kv, kv, None, sliding_window=8, **{X_KWARG: torch.randn(1, 3, 64)})
+
+
+def test_zayas_convolutions_carry_across_packed_documents_in_eager_and_converted_alike():
+    # Its q, k and v come from short convolutions over neighbouring tokens before attention: packed documents are not
+    # kept apart by transformers' eager model, nor (the same computation) by the converted one.
+    candidate = _candidate("zaya")
+    base = survey.tiny_model(candidate)
+    assert any(isinstance(m, torch.nn.Conv1d) for m in base.model.layers[0].self_attn.qkv_proj.modules())
+    soft = survey.converted(base, candidate, "softmax")
+    base.set_attn_implementation("eager")
+    lens = (5, 4, 6)
+    ids = torch.randint(3, 128, (1, sum(lens)), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    with torch.no_grad():
+        eager = base(ids, position_ids=pos, use_cache=False).logits
+        alone = torch.cat([base(part, use_cache=False).logits for part in ids.split(lens, dim=1)], 1)
+        packed = soft(ids, position_ids=pos, use_cache=False).logits
+    assert survey._gap(packed, eager) <= survey.TOL and survey._gap(eager, alone) > 0.01
+
+
+def test_a_multimodal_models_encoders_would_run_the_seam_without_a_variant():
+    # Phi-4-multimodal's causal LM holds its vision and audio encoders: converted anyway, their attention modules
+    # run under the seam's implementation name and hold no variant.
+    model_type = "phi4_multimodal"
+    assert REFUSED[model_type][0] == "multimodal"
+    candidate = _candidate(model_type)
+    model = survey.converted(survey.tiny_model(candidate), candidate, "softmax")
+    vision = model.model.embed_tokens_extend.image_embed.img_processor.encoder.layers[0].self_attn
+    assert vision.config._attn_implementation == ATTN_IMPLEMENTATION and not hasattr(vision, "attn_variant")
+    with pytest.raises(ValueError, match="has no attention variant"):
+        vision(torch.randn(1, 4, vision.config.hidden_size))
+
+
 def test_a_norm_before_the_output_projection_breaks_the_retrofit():
     model_type = "bitnet"
     assert REFUSED[model_type][0] == "not_exact"
@@ -158,7 +219,8 @@ def test_train_writes_every_value_under_the_familys_own_config_key(family):
     written = {k for k, v in config.to_dict().items() if k not in defaults}
     # head_dim: hidden_size // num_heads, what a config without the key computes itself
     assert not written - {"head_dim"}, f"{family}: keys its config class does not know: {sorted(written)}"
-    assert getattr(config, f.config_keys.get("intermediate_size", "intermediate_size")) == 40
+    width = getattr(config, f.config_keys.get("intermediate_size", "intermediate_size"))
+    assert width in (40, [40] * config.num_hidden_layers)  # Gemma 3n's config holds it per layer
     if eps_key is not None:
         assert getattr(config, eps_key) == 1e-3
     for key, target in f.config_keys.items():

@@ -31,6 +31,9 @@ X_KWARG = "affine_attention_x"
 CACHE_KWARG = "affine_attention_cache"
 TRUSTED_KWARG = "affine_attention_cache_trusted"
 KV_TRUSTED_KWARG = "affine_attention_cache_kv_trusted"
+# The attention module's attribute holding the sliding window its decoder masks but does not pass on
+# (Family.mask_window), set by `convert`.
+LAYER_WINDOW_ATTR = "affine_attention_window"
 # Every keyword `attention_forward` reads or may ignore; any other is refused (see `_check_kwargs`).
 _KNOWN_KWARGS = frozenset(HONOURED_KWARGS) | frozenset(INERT_KWARGS) | {
     X_KWARG, CACHE_KWARG, TRUSTED_KWARG, KV_TRUSTED_KWARG, packing.FORWARD_KWARG}
@@ -207,6 +210,19 @@ def _check_kwargs(module: nn.Module, kwargs: dict[str, Any], packed: bool) -> No
                              "collator produce it: drop the attention mask, or the boundary keys")
 
 
+def _window(module: nn.Module, sliding_window: int | None) -> int | None:
+    """The layer's sliding window: the one its attention passes, or (a family whose attention does not pass it,
+    Family.mask_window) the one its decoder's mask applies, which is all transformers' eager attention reads."""
+    masked = getattr(module, LAYER_WINDOW_ATTR, None)
+    if masked is None:
+        return sliding_window
+    if sliding_window is not None and sliding_window != masked:
+        raise ValueError(f"the {_family_name(module)} attention (layer {module.layer_idx}) passes sliding_window="
+                         f"{sliding_window}, but its decoder masks a window of {masked}; the family table's "
+                         "mask_window no longer describes the installed transformers")
+    return masked
+
+
 def unclassified_kwargs() -> list[str]:
     """The forward keywords the installed transformers declares (TransformersKwargs, FlashAttentionKwargs) or that
     its generate() hands every forward (the objects it pops as generation-mode arguments), which the seam's rule
@@ -253,6 +269,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     if dropout:
         raise ValueError(f"attention dropout ({dropout}) is not supported by affine_attention variants; set "
                          "`config.attention_dropout = 0.0`")
+    sliding_window = _window(module, sliding_window)
     device_type = query.device.type
     if device_type != "meta" and torch.is_autocast_enabled(device_type):  # autocast knows no meta device
         # Under autocast RoPE hands back float32 q and k while v stays in the autocast dtype; run the op, like

@@ -88,6 +88,12 @@ class Family:
     # Cohere's {"rms_norm_eps": "layer_norm_eps"}; None: it has no such setting (a [model] value is refused). A config
     # class takes an unknown key without a word, so without this the value would be dropped silently.
     config_keys: Mapping[str, str | None] = field(default_factory=lambda: MappingProxyType({}))
+    # Where a layer's sliding window comes from when the family's attention does not pass `sliding_window` to its
+    # attention function, though its decoder hands that layer a sliding-window mask (eager attention reads only the
+    # mask): "layer_types": config.sliding_window on the layers config.layer_types marks "sliding_attention"
+    # (Qwen2-MoE); "every_layer": config.sliding_window on every layer when it is set (PhiMoE). None: the attention
+    # passes the window itself.
+    mask_window: str | None = None
     # The per-family test files (tests/test_hf_*.py) run it. The others (core=False) share the layout of these and are
     # proven by tests/test_families_enumerated.py alone: conversion, padding, windows, packing, retrofit, decoding.
     core: bool = True
@@ -97,6 +103,17 @@ class Family:
         import transformers
 
         return getattr(transformers, self.config_class), getattr(transformers, self.model_class)
+
+    def layer_window(self, config, layer_idx: int) -> int | None:
+        """The sliding window of layer `layer_idx` that the family's decoder masks but does not pass on (see
+        `mask_window`), or None."""
+        if self.mask_window is None:
+            return None
+        if self.mask_window == "every_layer":
+            return config.sliding_window
+        if self.mask_window == "layer_types":
+            return config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
+        raise ValueError(f"{self.name}: unknown mask_window {self.mask_window!r}")
 
     def available(self) -> bool:
         """Whether the installed transformers ships this family (the table spans the supported versions; a family
@@ -197,8 +214,18 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _enumerated("cohere2_moe", "Cohere2MoeConfig", "Cohere2MoeForCausalLM", "q_proj, k_proj, v_proj (no bias)",
                 "sliding window; MoE MLP", tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES, num_experts=4,
                 num_experts_per_tok=2)),
+    _enumerated("cohere_compass_text", "CohereCompassTextConfig", "CohereCompassForCausalLM",
+                "q_proj, k_proj, v_proj (no bias)", "sliding window; NoPE full layers",
+                tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES, rope_parameters={
+                    # its rotary splits the head's frequencies (8 at head_dim 16) into mrope sections (5.17 needs them)
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+                    "full_attention": None}),
+                rope_per_layer_type=True, keys={"rms_norm_eps": "layer_norm_eps"}),
     _enumerated("cwm", "CwmConfig", "CwmForCausalLM", "q_proj, k_proj, v_proj (no bias)", "sliding window",
                 tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES), configurable_bias=False),
+    _enumerated("dots1", "Dots1Config", "Dots1ForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k norms",
+                "sliding window; MoE MLP", tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES,
+                n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
     _enumerated("ernie4_5", "Ernie4_5Config", "Ernie4_5ForCausalLM", "q_proj, k_proj, v_proj (no bias)",
                 configurable_bias=False),
     _enumerated("ernie4_5_moe", "Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "q_proj, k_proj, v_proj (no bias)",
@@ -219,6 +246,18 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _enumerated("gemma4_unified_text", "Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM",
                 "q_proj, k_proj, v_proj (no bias); q/k norms", "sliding window",
                 tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES), rope_per_layer_type=True),
+    # KV sharing (its last layers reuse earlier layers' keys and values), AltUp, per-layer inputs
+    _enumerated("gemma3n_text", "Gemma3nTextConfig", "Gemma3nForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k/v "
+                "norms", "sliding window; KV-shared layers", tiny=dict(num_hidden_layers=4, sliding_window=4,
+                layer_types=_TWO_LAYER_TYPES * 2, num_kv_shared_layers=2, vocab_size_per_layer_input=128,
+                hidden_size_per_layer_input=16, laurel_rank=8, activation_sparsity_pattern=[0.0] * 4,
+                altup_num_inputs=2)),
+    # full layers with their own head size and KV heads (config.per_layer_config), keys reused as values
+    _enumerated("gemma4_text", "Gemma4TextConfig", "Gemma4ForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k/v "
+                "norms; attention_k_eq_v: keys as values on full layers", "sliding window; per-layer head sizes",
+                tiny=dict(sliding_window=4, layer_types=_TWO_LAYER_TYPES, vocab_size_per_layer_input=128,
+                hidden_size_per_layer_input=16, global_head_dim=32, attention_k_eq_v=True,
+                num_global_key_value_heads=1)),
     _enumerated("glm", "GlmConfig", "GlmForCausalLM", "q_proj, k_proj, v_proj with biases"),
     _enumerated("glm4", "Glm4Config", "Glm4ForCausalLM", "q_proj, k_proj, v_proj with biases"),
     _enumerated("glm4_moe", "Glm4MoeConfig", "Glm4MoeForCausalLM", "q_proj, k_proj, v_proj (no bias)", "MoE MLP",
@@ -275,6 +314,22 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                 rope_per_layer_type=True, keys={"head_dim": None}),
     _enumerated("olmoe", "OlmoeConfig", "OlmoeForCausalLM", "q_proj, k_proj, v_proj (no bias); q/k norms",
                 "MoE MLP", tiny=dict(num_experts=4, num_experts_per_tok=2), keys={"head_dim": None}),
+    # Their attention passes no sliding_window: the window of the mask their decoder builds (mask_window).
+    _enumerated("phimoe", "PhimoeConfig", "PhimoeForCausalLM", "q_proj, k_proj, v_proj (no bias)",
+                "sliding window (decoder's mask, every layer); MoE MLP", tiny=dict(sliding_window=4,
+                num_local_experts=4, num_experts_per_tok=2), mask_window="every_layer", keys={"head_dim": None}),
+    _enumerated("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", "q_proj, k_proj, v_proj with biases (qkv_bias)",
+                "per-layer sliding window (decoder's mask, optional); MoE MLP", tiny=dict(use_sliding_window=True,
+                sliding_window=4, layer_types=_TWO_LAYER_TYPES, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=32, shared_expert_intermediate_size=32), mask_window="layer_types",
+                keys={"head_dim": None, "attention_bias": "qkv_bias"}),
+    # CCA: q, k, v from short convolutions over neighbouring tokens, before the attention function (across packed
+    # documents too, in transformers' own eager attention as after conversion)
+    _enumerated("zaya", "ZayaConfig", "ZayaForCausalLM", "qkv_proj: q_proj, k_proj, v_proj_current, v_proj_delayed "
+                "and q/k convolutions; q/k norm", "sliding window (hybrid_sliding layers); MoE MLP",
+                tiny=dict(layer_types=["hybrid_sliding", "hybrid"], sliding_window=4, num_experts=4,
+                num_experts_per_tok=1, moe_intermediate_size=32, router_hidden_size=16), peft_targets=("q_proj", "k_proj"),
+                keys={"intermediate_size": "moe_intermediate_size"}),
     # Their decoder layers call self_attn without **kwargs: exact because the seam's context rides in attention_mask.
     _enumerated("nemotron", "NemotronConfig", "NemotronForCausalLM", "q_proj, k_proj, v_proj (no bias)",
                 "partial RoPE", keys={"rms_norm_eps": "norm_eps"}),

@@ -12,7 +12,8 @@ REASONS = {
                        "no variant computes",
     "cross_attention": "a BERT-style encoder stack run as a decoder, with optional cross attention to encoder "
                        "states and no model.layers of decoder layers",
-    "multimodal": "a multimodal wrapper: convert its text model (the family of its language model)",
+    "multimodal": "a multimodal model (vision or audio encoders beside its language model, their attention under "
+                  "the same implementation): convert its text model where transformers ships it as a family",
     "latent_attention": "multi-head latent attention (MLA): keys and values are decompressed from a low-rank latent, "
                         "which the seam's layer shapes and caches do not describe",
     "linear_or_state_space": "a hybrid stack with linear-attention or state-space layers beside softmax layers; "
@@ -20,8 +21,8 @@ REASONS = {
     "layout": "its attention is not laid out as model.layers[i].self_attn with an o_proj output projection, which "
               "the conversion and the retrofit address",
     "seam": "its attention function receives something the seam refuses or cannot honour",
-    "unchecked": "no tiny model could be built from its config class with the standard size keys, so it was not "
-                 "checked and is not converted",
+    "unchecked": "no tiny model could be built from its config class with the standard size keys (family_survey's "
+                 "TINY and SIZE_KEYS), so it was not checked and is not converted",
     "not_exact": "converted, it does not reproduce transformers' eager attention, or its retrofit does not keep the "
                  "logits",
 }
@@ -53,10 +54,9 @@ REFUSED = {
     "blt": ("encoder_decoder", "BltConfig (decoder_config, encoder_config, global_config, patcher_config)"),
     "camembert": ("cross_attention", "CamembertModel.encoder"),
     "codegen": ("layout", "CodeGenForCausalLM has no model.layers"),
-    "cohere_compass_text": ("unchecked", "KeyError: 'full_attention'"),
     "ctrl": ("layout", "CTRLLMHeadModel has no model.layers"),
     "data2vec-text": ("cross_attention", "Data2VecTextModel.encoder"),
-    "dbrx": ("unchecked", "AttributeError: 'DbrxAttentionConfig' object has no attribute 'rope_theta'"),
+    "dbrx": ("layout", "DbrxForCausalLM has no model.layers"),
     "deepseek_v2": ("latent_attention", "config.kv_lora_rank"),
     "deepseek_v3": ("latent_attention", "config.kv_lora_rank"),
     "deepseek_v32": ("latent_attention", "config.kv_lora_rank"),
@@ -66,23 +66,17 @@ REFUSED = {
         "ValueError: affine_attention expects a boolean 4D mask (True = may attend), got dtype torch.float32"),
     "dory": ("seam",
         "RuntimeError: The size of tensor a (15) must match the size of tensor b (12) at non-singleton dimension 3"),
-    "dots1": ("unchecked", "TypeError: unsupported operand type(s) for *: 'int' and 'NoneType'"),
     "dots3_note": ("multimodal", "Dots3NoteConfig (audio_config, text_config, vision_config)"),
-    "dots3_note_text": ("unchecked",
-        "StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture':"),
+    "dots3_note_text": ("latent_attention", "config.kv_lora_rank"),
     "electra": ("cross_attention", "ElectraModel.encoder"),
     "emu3": ("multimodal", "Emu3Config (text_config, vq_config)"),
     "ernie": ("cross_attention", "ErnieModel.encoder"),
     "falcon_h1": ("linear_or_state_space", "FalconH1Mixer"),
     "gemma3": ("multimodal", "Gemma3Config (text_config, vision_config)"),
     "gemma3n": ("multimodal", "Gemma3nConfig (audio_config, text_config, vision_config)"),
-    "gemma3n_text": ("unchecked",
-        "ValueError: The set of layer types producing a cache is different than the set of layer types using them"),
     "gemma4": ("multimodal", "Gemma4Config (audio_config, text_config, vision_config)"),
-    "gemma4_text": ("unchecked",
-        "its config class takes other size keys: the 'tiny' model has 134,789,088 parameters"),
     "gemma4_unified": ("multimodal", "Gemma4UnifiedConfig (audio_config, text_config, vision_config)"),
-    "git": ("cross_attention", "GitModel.encoder"),
+    "git": ("multimodal", "GitConfig (vision_config)"),
     "glm4_moe_lite": ("latent_attention", "config.kv_lora_rank"),
     "glm_moe_dsa": ("latent_attention", "config.kv_lora_rank"),
     "gpt-sw3": ("layout", "GPT2LMHeadModel has no model.layers"),
@@ -101,7 +95,7 @@ REFUSED = {
     "kimi_linear": ("latent_attention", "config.kv_lora_rank"),
     "lara_mini": ("linear_or_state_space", "LaraMiniGatedDeltaNet"),
     "lfm2": ("layout", "a decoder layer without self_attn.o_proj"),
-    "lfm2_moe": ("unchecked", "TypeError: 'NoneType' object is not subscriptable"),
+    "lfm2_moe": ("linear_or_state_space", "Lfm2MoeShortConv"),
     "lfm3": ("linear_or_state_space", "Lfm3ShortConv"),
     "llama4": ("multimodal", "Llama4Config (text_config, vision_config)"),
     "llama4_text": ("seam", "layer types ['chunked_attention']"),
@@ -126,11 +120,8 @@ REFUSED = {
     "pegasus": ("encoder_decoder", "PegasusConfig (is_encoder_decoder)"),
     "persimmon": ("layout", "a decoder layer without self_attn.o_proj"),
     "phi": ("layout", "a decoder layer without self_attn.o_proj"),
-    "phi4_multimodal": ("unchecked",
-        "its config class takes other size keys: the 'tiny' model has 870,129,792 parameters"),
-    "phimoe": ("not_exact", "left 0.33, right 0.36, packed 0.18, retrofit 0.33, cache 0.16"),
+    "phi4_multimodal": ("multimodal", "Phi4MultimodalConfig (audio_config, vision_config)"),
     "plbart": ("encoder_decoder", "PLBartConfig (is_encoder_decoder)"),
-    "qwen2_moe": ("not_exact", "left 0.24, right 0.26, packed 0.14, retrofit 0.24, cache 0.3"),
     "qwen3_5": ("multimodal", "Qwen3_5Config (text_config, vision_config)"),
     "qwen3_5_moe": ("multimodal", "Qwen3_5MoeConfig (text_config, vision_config)"),
     "qwen3_5_moe_text": ("linear_or_state_space", "Qwen3_5MoeGatedDeltaNet"),
@@ -149,12 +140,8 @@ REFUSED = {
     "xlm-roberta-xl": ("cross_attention", "XLMRobertaXLModel.encoder"),
     "xmod": ("cross_attention", "XmodModel.encoder"),
     "youtu": ("latent_attention", "config.kv_lora_rank"),
-    "zamba": ("unchecked",
-        "StrictDataclassClassValidationError: Class validation error for validator 'validate_layer_type':"),
-    "zamba2": ("unchecked",
-        "StrictDataclassClassValidationError: Class validation error for validator 'validate_layer_type':"),
-    "zaya": ("unchecked",
-        "StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture':"),
+    "zamba": ("linear_or_state_space", "ZambaMambaDecoderLayer, ZambaMambaMixer"),
+    "zamba2": ("linear_or_state_space", "Zamba2MambaDecoderLayer, Zamba2MambaMixer"),
 }
 
 

@@ -43,7 +43,8 @@ def families_markdown() -> str:
              f"{TOL:g} of the logits: " + "; ".join(f"{k}: {v}" for k, v in CHECKS.items()) + ". Sliding windows are "
              "on (a 4-token window) wherever the family has them. Packing is held to transformers only where its own "
              "eager attention keeps packed documents apart; where it does not (AFMoE and GPT-OSS at "
-             f"transformers {NEWEST}), the converted model still keeps them apart.", "",
+             f"transformers {NEWEST}), the converted model still keeps them apart; ZAYA's q, k and v come from convolutions over "
+             "neighbouring tokens before attention, which carry across documents in both.", "",
              "## Exact: the family table", "",
              "| family | transformers class | q/k/v projections | attention function receives | per-family tests |",
              "|---|---|---|---|---|"]

@@ -23,8 +23,28 @@ TINY = {
     "use_cache": True,
 }
 WINDOW = 4
+# The keys a tiny model needs beyond TINY, for the candidates outside the family table whose config classes take other
+# size keys or do not build from TINY alone (table families keep theirs in Family.tiny).
+SIZE_KEYS = {
+    # DbrxAttention reads attn_config.rope_theta, which DbrxAttentionConfig does not declare (transformers 5.24)
+    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=512, attn_config=dict(kv_n_heads=2, rope_theta=1e4),
+                 ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2)),
+    "dots3_note_text": dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
+                            q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, index_n_heads=2,
+                            index_head_dim=16, shared_experts_intermediate_size=32),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "phi4_multimodal": dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, image_size=28, patch_size=14),
+                            audio_config=dict(hidden_size=32, intermediate_size=64, num_blocks=1,
+                                              num_attention_heads=2)),
+    "zamba": dict(layers_block_type=["mamba", "hybrid"]),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"]),
+}
 MAX_TINY_PARAMETERS = 5_000_000  # a family whose config ignores the TINY keys is not built for real
 _WINDOW_KINDS = {"full_attention", "sliding_attention"}  # the layer types the seam runs
+# Layer types of a family's own naming that are these: ZAYA's CCA layers run under transformers' causal ("hybrid")
+# and sliding-window ("hybrid_sliding") masks (modeling_zaya's mask_creation_functions).
+_KIND_ALIASES = {"zaya": {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}}
 
 
 @dataclass(frozen=True)
@@ -67,6 +87,7 @@ def tiny_config(candidate: Candidate, **overrides):
         kinds = defaults.get("layer_types")
         if kinds is not None and set(kinds) <= _WINDOW_KINDS:
             values["layer_types"] = ["sliding_attention", "full_attention"]
+    values.update(SIZE_KEYS.get(candidate.model_type, {}))
     values.update(overrides)
     return config_cls(**values)
 
@@ -83,7 +104,7 @@ def class_refusal(candidate: Candidate) -> tuple[str, str] | None:
     subs = sorted(getattr(config_cls, "sub_configs", None) or ())
     if getattr(config_cls, "is_encoder_decoder", False) is True or any("encoder" in s for s in subs):
         return "encoder_decoder", f"{candidate.config_class} ({', '.join(subs) or 'is_encoder_decoder'})"
-    if "text_config" in subs:
+    if {"text_config", "vision_config", "audio_config"} & set(subs):
         return "multimodal", f"{candidate.config_class} ({', '.join(subs)})"
     return None
 
@@ -106,7 +127,8 @@ def static_refusal(candidate: Candidate, config, meta_model) -> tuple[str, str] 
     if cross:
         return "cross_attention", ", ".join(cross)
     hybrid = sorted(n for n in names if _HYBRID.search(n))
-    kinds = set(getattr(config, "layer_types", None) or ()) - _WINDOW_KINDS
+    aliases = _KIND_ALIASES.get(candidate.model_type, {})
+    kinds = {aliases.get(k, k) for k in getattr(config, "layer_types", None) or ()} - _WINDOW_KINDS
     if hybrid:
         return "linear_or_state_space", ", ".join(hybrid)
     if layers is None:

@@ -10,7 +10,7 @@ from torch import nn
 from ..variants import AttentionShape, build_variant, options_to_dict, parse_options, variant_names
 from ..variants.running_stats import accumulator_names
 from . import packing
-from .attention import capture_attention_input
+from .attention import LAYER_WINDOW_ATTR, capture_attention_input
 from .families import Family, family_of_config
 
 CONFIG_KEY = "affine_attention"  # config.affine_attention = {"variant": name, "options": {...}}
@@ -67,7 +67,10 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
 def layer_shape(config, attn: nn.Module) -> AttentionShape:
     """The sizes of one attention layer of a transformers model."""
     head_dim = getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return AttentionShape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim)
+    # transformers' per-layer view of a config (newer versions): Gemma 4's full layers have KV heads of their own.
+    per_layer = getattr(config, "per_layer_config", None)
+    kv_heads = (per_layer[attn.layer_idx] if per_layer is not None else config).num_key_value_heads
+    return AttentionShape(config.hidden_size, config.num_attention_heads, kv_heads, head_dim)
 
 
 def attach_variants(model: nn.Module, spec: Mapping[str, Any], family: Family | None = None) -> None:
@@ -90,6 +93,7 @@ def attach_variants(model: nn.Module, spec: Mapping[str, Any], family: Family | 
         variant.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
         variant.train(attn.training)  # an eval-mode model must not start updating alpha_ma
         attn.add_module(VARIANT_ATTR, variant)
+        setattr(attn, LAYER_WINDOW_ATTR, family.layer_window(config, attn.layer_idx))
         setattr(attn, _HOOK_ATTR, attn.register_forward_pre_hook(capture_attention_input, with_kwargs=True))
     packing.attach(model)
     _keep_accumulators_local(model)
