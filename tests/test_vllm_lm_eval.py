@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -37,15 +38,16 @@ VLLM_ARGS = ("dtype=float32,enforce_eager=True,max_model_len=256,gpu_memory_util
 
 
 def lm_eval(backend: str, model_args: str, tasks: str, out: str, cwd: str) -> subprocess.Popen:
+    """Start lm-eval's own command on every fixture task, its output in folder `out` and its log in `out`.log."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # vLLM's engine in lm-eval's process: faster to start and stop
     extra = ["--device", "cpu"] if backend == "hf" else []
-    log = open(os.path.join(cwd, f"{backend}.log"), "w")
-    return subprocess.Popen(
-        [sys.executable, "-m", "lm_eval", "--model", backend, "--model_args", model_args, "--include_path", tasks,
-         "--tasks", ",".join(FIXTURE_TASKS), "--limit", str(LIMIT), "--batch_size", "8", "--output_path", out,
-         "--log_samples", *extra], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+    with open(f"{out}.log", "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "lm_eval", "--model", backend, "--model_args", model_args, "--include_path", tasks,
+             "--tasks", ",".join(FIXTURE_TASKS), "--limit", str(LIMIT), "--batch_size", "8", "--output_path", out,
+             "--log_samples", *extra], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
 
 
 def read(out: str) -> tuple[dict, dict]:
@@ -64,28 +66,42 @@ def read(out: str) -> tuple[dict, dict]:
     return raw, samples
 
 
+VARIANTS = ("affine", "sink")
+
+
 @pytest.fixture(scope="module")
-def tasks(tmp_path_factory):
-    return str(materialize_fixture_tasks(tmp_path_factory.mktemp("lm_eval") / "fixture_tasks"))
+def runs(tmp_path_factory):
+    """Both backends on both checkpoints, the four runs at once (most of each is one-threaded start-up: imports,
+    vLLM's engine): {(variant, backend): its output folder}."""
+    root = tmp_path_factory.mktemp("lm_eval")
+    tasks = str(materialize_fixture_tasks(root / "fixture_tasks"))
+    procs = {}
+    for variant in VARIANTS:
+        model = str(root / f"llama-{variant}")
+        make_checkpoint(model, "llama", variant)
+        for backend, args in (("vllm", f"pretrained={model},{VLLM_ARGS}"),
+                              ("hf", f"pretrained={model},dtype=float32,trust_remote_code=True")):
+            procs[variant, backend] = lm_eval(backend, args, tasks, str(root / f"{variant}-{backend}"), str(root))
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        for proc in procs.values():
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return {key: (proc.returncode, str(root / f"{key[0]}-{key[1]}")) for key, proc in procs.items()}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["affine", "sink"])
-def test_lm_eval_vllm_equals_hf(tasks, variant, tmp_path):
-    model = str(tmp_path / f"llama-{variant}")
-    make_checkpoint(model, "llama", variant)
-    # Both runs at once: most of each is one-threaded start-up (imports, vLLM's engine).
-    runs = {"vllm": lm_eval("vllm", f"pretrained={model},{VLLM_ARGS}", tasks, str(tmp_path / "vllm"), str(tmp_path)),
-            "hf": lm_eval("hf", f"pretrained={model},dtype=float32,trust_remote_code=True", tasks,
-                          str(tmp_path / "hf"), str(tmp_path))}
-    for backend, proc in runs.items():
-        try:
-            code = proc.wait(timeout=TIMEOUT_S)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        assert code == 0, f"lm_eval --model {backend} failed:\n" + (tmp_path / f"{backend}.log").read_text()[-4000:]
-    (served, served_ll), (ref, ref_ll) = read(str(tmp_path / "vllm")), read(str(tmp_path / "hf"))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lm_eval_vllm_equals_hf(runs, variant):
+    for backend in ("vllm", "hf"):
+        code, out = runs[variant, backend]
+        with open(f"{out}.log") as f:
+            assert code == 0, f"lm_eval --model {backend} failed on {variant}:\n" + f.read()[-4000:]
+    (served, served_ll), (ref, ref_ll) = read(runs[variant, "vllm"][1]), read(runs[variant, "hf"][1])
     for task in FIXTURE_TASKS:
         assert served["n-samples"][task]["effective"] == LIMIT, task
         metrics = {k for k in ref["results"][task] if "," in k and "_stderr," not in k}  # "acc,none", ...
