@@ -6,7 +6,8 @@ The affine combine needs, per query, the mean of the values it may see. Softmax 
 that mean, so one all-zero query head is appended to each KV-head group in the same attention call: vLLM's kernel
 then averages the visible values under whatever mask it applies (causal, sliding window, chunked prefill, prefix
 caching), at (G + 1) / G of the attention cost for G query heads per KV head. Sinks are passed to vLLM's attention
-as its native `sinks`; a backend without them is refused, never run without the sink.
+as its native `sinks`; a backend without them is refused, never run without the sink. Under tensor parallelism each
+rank holds its query heads' part of the variant weights, checked against the whole variant at load.
 """
 from __future__ import annotations
 
@@ -250,6 +251,18 @@ def _check_split(model: nn.Module, whole: dict[str, Tensor], ranks: int, rank: i
                               "plugin's tensor-parallel split does not follow; serve it with tensor_parallel_size=1")
 
 
+def _is_part(whole: Tensor, part: Tensor, rank: int) -> bool:
+    """Whether `part` is rank `rank`'s slice of `whole` along the one dimension whose size differs (the heads), to
+    the rounding of the dtype (a GEMM of fewer rows may sum in another order)."""
+    dim = next((d for d in range(whole.dim()) if whole.shape[d] != part.shape[d]), None)
+    want = whole if dim is None else whole.narrow(dim, rank * part.shape[dim], part.shape[dim])
+    try:
+        torch.testing.assert_close(part, want)
+    except AssertionError:
+        return False
+    return True
+
+
 def _check_weights_record(config, where) -> None:
     """The variant spec recorded in the weights files must be config.json's (an edited config would serve another
     attention function than the one the weights were trained with)."""
@@ -280,14 +293,3 @@ def _model_class(family: str) -> type:
 for _family in FAMILIES:
     globals()[architecture(_family)] = _model_class(_family)
 
-
-def _is_part(whole: Tensor, part: Tensor, rank: int) -> bool:
-    """Whether `part` is rank `rank`'s slice of `whole` along the one dimension whose size differs (the heads), to
-    the rounding of the dtype (a GEMM of fewer rows may sum in another order)."""
-    dim = next((d for d in range(whole.dim()) if whole.shape[d] != part.shape[d]), None)
-    want = whole if dim is None else whole.narrow(dim, rank * part.shape[dim], part.shape[dim])
-    try:
-        torch.testing.assert_close(part, want)
-    except AssertionError:
-        return False
-    return True
