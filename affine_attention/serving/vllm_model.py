@@ -96,21 +96,33 @@ class VariantAttention(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         x, self.x = self.x, None
-        N, Hq, Hkv, D = q.shape[0], self.Hq, self.Hkv, self.D
         p = self.variant_ref[0].prologue(x[None], None)  # alpha (1, Hq, N), gate broadcastable to (1, Hq, N, D)
-        if self.mean_head:  # one zero query after each group of G = Hq / Hkv heads: the mean of visible V
-            q = torch.cat([q.view(N, Hkv, Hq // Hkv, D), q.new_zeros(N, Hkv, 1, D)], dim=2).reshape(N, -1)
-        o = self.inner(q, k, v)
-        m = None
         if self.mean_head:
-            o = o.view(N, Hkv, Hq // Hkv + 1, D)
-            m = o[:, :, -1].transpose(0, 1)[None]  # (1, Hkv, N, D)
-            o = o[:, :, :-1]
-        out = o.reshape(N, Hq, D).transpose(0, 1)[None]  # (1, Hq, N, D)
-        if p.alpha is None and p.gate is None:
-            return o.reshape(N, Hq * D)
-        out = epilogue(out, alpha=p.alpha, alpha_ma=p.alpha_ma, gate=p.gate, v_mean=m, impl="eager")
-        return out[0].transpose(0, 1).reshape(N, Hq * D)
+            q = with_mean_heads(q, self.Hkv, self.D)
+        return combine(self.inner(q, k, v), p, self.Hq, self.Hkv, self.D, self.mean_head)
+
+
+def with_mean_heads(q: Tensor, Hkv: int, D: int) -> Tensor:
+    """q (N, Hq*D) -> (N, (Hq + Hkv)*D): one zero query after each group of G = Hq / Hkv heads (its output: the mean
+    of the values its group may see)."""
+    N = q.shape[0]
+    return torch.cat([q.view(N, Hkv, -1, D), q.new_zeros(N, Hkv, 1, D)], dim=2).reshape(N, -1)
+
+
+def combine(o: Tensor, p: Prologue, Hq: int, Hkv: int, D: int, mean_head: bool) -> Tensor:
+    """vLLM's attention output o (N, (Hq [+ Hkv])*D) -> the variant's (N, Hq*D): the package's epilogue with the
+    prologue's alpha / gate and, with mean_head, the extra heads' outputs as the mean of visible V."""
+    N = o.shape[0]
+    m = None
+    if mean_head:
+        o = o.view(N, Hkv, Hq // Hkv + 1, D)
+        m = o[:, :, -1].transpose(0, 1)[None]  # (1, Hkv, N, D)
+        o = o[:, :, :-1]
+    if p.alpha is None and p.gate is None:
+        return o.reshape(N, Hq * D)
+    out = o.reshape(N, Hq, D).transpose(0, 1)[None]  # (1, Hq, N, D)
+    out = epilogue(out, alpha=p.alpha, alpha_ma=p.alpha_ma, gate=p.gate, v_mean=m, impl="eager")
+    return out[0].transpose(0, 1).reshape(N, Hq * D)
 
 
 def _takes_sinks(attn: Attention, sinks: Tensor) -> bool:
