@@ -82,21 +82,23 @@ def layer_overhead(preset: str, layers: int, batch: int, variants) -> None:
         mean_head = get_variant(name).uses_value_mean
         o = torch.randn(N, (Hq + (Hkv if mean_head else 0)) * D)  # stands for vLLM's attention output
 
-        def step():
-            p = variant.prologue(x[None], None)
-            if mean_head:
-                with_mean_heads(q, Hkv, D)
-            combine(o, p, Hq, Hkv, D, mean_head)
-
+        p = variant.prologue(x[None], None)
+        parts = {"prologue": lambda: variant.prologue(x[None], None),
+                 "zero heads": lambda: with_mean_heads(q, Hkv, D) if mean_head else None,
+                 "combine": lambda: combine(o, p, Hq, Hkv, D, mean_head)}
+        us = {}
         with torch.no_grad():
-            for _ in range(200):
-                step()
-            t0, n = time.perf_counter(), 2000
-            for _ in range(n):
-                step()
-        us = (time.perf_counter() - t0) / n * 1e6
-        print(f"{name}: {us:.0f} us per layer call ({N} tokens, Hq {Hq}, Hkv {Hkv}, D {D}); "
-              f"{us * layers / 1e3:.2f} ms per decode step of {layers} layers")
+            for part, fn in parts.items():
+                for _ in range(200):
+                    fn()
+                t0, n = time.perf_counter(), 2000
+                for _ in range(n):
+                    fn()
+                us[part] = (time.perf_counter() - t0) / n * 1e6
+        total = sum(us.values())
+        print(f"{name}: {total:.0f} us per layer call ({N} tokens, Hq {Hq}, Hkv {Hkv}, D {D}: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in us.items())
+              + f"); {total * layers / 1e3:.2f} ms per decode step of {layers} layers")
 
 
 def main(argv=None) -> None:
