@@ -72,7 +72,7 @@ VARIANTS = ("affine", "sink")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Both backends on both checkpoints, the four runs at once (most of each is one-threaded start-up: imports,
-    vLLM's engine): {(variant, backend): its output folder}."""
+    vLLM's engine): {(variant, backend): (its exit code, its output folder)}."""
     root = tmp_path_factory.mktemp("lm_eval")
     tasks = str(materialize_fixture_tasks(root / "fixture_tasks"))
     procs = {}
@@ -111,7 +111,7 @@ def test_lm_eval_vllm_equals_hf(runs, variant):
             if metric.startswith("acc"):
                 assert got == want, (task, metric, got, want)
             else:  # perplexities, bits per byte (c4)
-                assert got == pytest.approx(want, rel=1e-6), (task, metric)
+                assert got == pytest.approx(want, rel=1e-5), (task, metric)
     assert set(served_ll) == set(ref_ll) and len(ref_ll) == LIMIT * len(FIXTURE_TASKS)
     worst = max(abs(a - b) / max(1.0, abs(b)) for k in ref_ll for a, b in zip(served_ll[k], ref_ll[k], strict=True))
     assert worst < TOL, f"a request's loglikelihood differs by {worst} (relative) between --model vllm and hf"
