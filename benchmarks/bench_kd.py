@@ -6,7 +6,7 @@ Peak memory, two ways, each case in fresh subprocesses after one small warm-up c
 hidden states and weights of both models that exist before the loss; the head's weight gradient (V x H float32),
 which both paths leave in .grad, is included in both:
 - tensors: the peak of the bytes of live tensors over a second loss and backward, from the torch profiler's
-  allocator records (`common.peak_memory_bytes`), the same in every process;
+  allocator records (`common.allocator_peak_bytes`), the same in every process;
 - RSS: the growth of the process's peak resident set (max RSS) over its resident set just before the first loss and
   backward, with glibc returning every freed block over 128 KiB to the system at once (MALLOC_MMAP_THRESHOLD_), so
   the resident set follows the live tensors; it also holds what libraries allocate themselves (MKL's matmul
@@ -28,7 +28,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import emit, paired_ratios, peak_memory_bytes  # noqa: E402
+from common import allocator_peak_bytes, emit, paired_ratios  # noqa: E402
 
 from affine_attention.train.kd import kd_loss_full  # noqa: E402
 from affine_attention.train.kd_chunked import CHUNK_TOKENS, OutputHead, head_loss  # noqa: E402
@@ -71,7 +71,7 @@ def one_case(case: str, tokens: int, hidden: int, vocab: int, chunk: int) -> dic
         before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     fn()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    return {"rss": rss, "tensors": peak_memory_bytes(fn, torch.device("cpu"))}
+    return {"rss": rss, "tensors": allocator_peak_bytes(fn)}
 
 
 def main() -> None:

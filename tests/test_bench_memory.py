@@ -1,5 +1,6 @@
-"""The benchmarks' CPU peak-memory helper (benchmarks/common.peak_memory_bytes) counts the bytes of live tensors:
-each allocation once, however deeply the op that made it nests (linear > matmul > mm), and freed blocks not at all."""
+"""The benchmarks' live-tensor peak on the CPU (benchmarks/common.allocator_peak_bytes) counts the bytes of live
+tensors: each allocation once, however deeply the op that made it nests (linear > matmul > mm), freed blocks not at
+all."""
 from __future__ import annotations
 
 import sys
@@ -9,9 +10,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from common import peak_memory_bytes  # noqa: E402
+from common import allocator_peak_bytes  # noqa: E402
 
-CPU = torch.device("cpu")
 X, W = torch.randn(1000, 50), torch.randn(1000, 50)
 OUT = 1000 * 1000 * 4  # bytes of one (1000, 1000) float32 result
 
@@ -22,7 +22,7 @@ def test_nested_ops_count_each_allocation_once():
         z = y.exp()
         return z.shape, y.shape  # both alive until here
 
-    peak = peak_memory_bytes(two_live, CPU)
+    peak = allocator_peak_bytes(two_live)
     assert 2 * OUT <= peak < 2 * OUT + 4096, peak
 
 
@@ -31,5 +31,5 @@ def test_a_freed_tensor_no_longer_counts():
         for _ in range(3):
             F.linear(X, W)  # dropped at once
 
-    peak = peak_memory_bytes(one_at_a_time, CPU)
+    peak = allocator_peak_bytes(one_at_a_time)
     assert OUT <= peak < OUT + 4096, peak
