@@ -7,10 +7,12 @@ hidden states and weights of both models that exist before the loss; the head's 
 which both paths leave in .grad, is included in both:
 - tensors: the peak of the bytes of live tensors over a second loss and backward, from the torch profiler's
   allocator records (`common.allocator_peak_bytes`), the same in every process;
-- RSS: the growth of the process's peak resident set (max RSS) over its resident set just before the first loss and
-  backward, with glibc returning every freed block over 128 KiB to the system at once (MALLOC_MMAP_THRESHOLD_), so
-  the resident set follows the live tensors; it also holds what libraries allocate themselves (MKL's matmul
-  workspace). The chunked RSS is the largest of three processes.
+- RSS: the growth of the process's peak resident set (VmHWM, reset just before) over its resident set just before
+  the first loss and backward, with glibc returning every freed block over 128 KiB to the system at once
+  (MALLOC_MMAP_THRESHOLD_), so the resident set follows the live tensors; it also holds what libraries allocate
+  themselves (MKL's matmul workspace). The chunked RSS is the largest of three processes. Not getrusage's
+  ru_maxrss: Linux carries the high-water mark of the memory a process execs from into it, and subprocess execs
+  from the parent's (vfork), so a child's ru_maxrss is at least this benchmark's own peak so far.
 Time: median of paired ratios over --repeats interleaved runs.
 
     python benchmarks/bench_kd.py                                   # 2048 tokens, hidden 1024, the default chunk
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 
@@ -59,6 +60,12 @@ def _methods(h, w, h_t, w_t, y, chunk: int, temperature: float):
     return {"full": full, "chunked": chunked}
 
 
+def _status_bytes(key: str) -> int:
+    """A memory line of /proc/self/status (kB) in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
 def one_case(case: str, tokens: int, hidden: int, vocab: int, chunk: int) -> dict:
     """Peak bytes of one method, run in its own process: max RSS growth over a first call, live tensors over a
     second."""
@@ -67,10 +74,11 @@ def one_case(case: str, tokens: int, hidden: int, vocab: int, chunk: int) -> dic
     _methods(*_inputs(64, hidden, 512), chunk, 2.0)[case]()
     h, w, h_t, w_t, y = _inputs(tokens, hidden, vocab)
     fn = _methods(h, w, h_t, w_t, y, chunk, 2.0)[case]
-    with open("/proc/self/statm") as f:
-        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
+    before = _status_bytes("VmRSS")
     fn()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    rss = _status_bytes("VmHWM") - before
     return {"rss": rss, "tensors": allocator_peak_bytes(fn)}
 
 
