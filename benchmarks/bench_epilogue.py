@@ -6,7 +6,7 @@ peak memory, for the one-pass epilogue (ops/epilogue.py) against the former eage
 
 Memory is reported three ways, as ratios to SDPA: `common.peak_memory_bytes` over forward+backward (the project's
 method: profiler memory per event, which counts an allocation once for every op that encloses it, so nested
-allocations count several times); `allocator_peak_bytes` over forward+backward (the raw allocation records in time
+allocations count several times); `common.allocator_peak_bytes` over forward+backward (the raw allocation records in time
 order: the bytes actually live at the peak); and the bytes a forward leaves allocated (its output and what autograd
 saved for backward: what every layer of a model holds until its backward runs).
 """
@@ -20,7 +20,7 @@ import torch
 from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import emit, paired_ratios, peak_memory_bytes  # noqa: E402
+from common import allocations, allocator_peak_bytes, emit, paired_ratios, peak_memory_bytes  # noqa: E402
 
 from affine_attention._compat import float_acc  # noqa: E402
 from affine_attention.ops import affine_scaled_attention  # noqa: E402
@@ -49,29 +49,10 @@ def former_affine(q, k, v, alpha, alpha_ma, gate=None):
     return out if gate is None else out * gate
 
 
-def _allocations(fn) -> list[int]:
-    """The bytes of every allocation (+) and free (-) while fn runs, in time order (profiler records, CPU)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    return [n for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                                 if e.name() == "[memory]")]
-
-
-def allocator_peak_bytes(fn) -> int:
-    """Peak of the bytes live while fn runs, above what was live before it."""
-    current = peak = 0
-    for nbytes in _allocations(fn):
-        current += nbytes
-        peak = max(peak, current)
-    return peak
-
-
 def held_after_forward_bytes(forward) -> int:
     """Bytes a forward leaves allocated while its output is alive: the output plus the tensors saved for backward."""
     keep = []
-    held = sum(_allocations(lambda: keep.append(forward())))
+    held = sum(allocations(lambda: keep.append(forward())))
     keep.clear()
     return held
 

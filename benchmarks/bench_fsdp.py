@@ -1,6 +1,8 @@
 """Bytes FSDP2 all-gathers per micro-batch with fp32 parameters (today's: autocast only) and with the bf16
 MixedPrecisionPolicy (train.precision = "bf16" under FSDP2), counted on CPU gloo by wrapping torch.distributed's
 all-gather calls around one forward + backward of a converted Llama; and that the fp32 master weights stay fp32.
+Beside them, what a KD teacher of the same size, sharded as the trainer shards it (`distributed.shard_frozen`),
+all-gathers for one micro-batch: its forward, then its root once more for the loss to read the head.
 
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py                 # hidden 256, 4 layers
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --json          # one JSON line (the tests read it)
@@ -15,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from affine_attention.train.config import ModelConfig
-from affine_attention.train.distributed import DistInfo, setup, teardown, wrap
+from affine_attention.train.distributed import DistInfo, setup, shard_frozen, teardown, wrap
+from affine_attention.train.kd_chunked import final_hidden, output_head
 from affine_attention.train.model import build_base, convert
 from affine_attention.train.steps import accumulate_gradients, autocast_for
 
@@ -63,6 +66,21 @@ def measure(info: DistInfo, precision: str, mc: ModelConfig, micro_batch: int, s
             "grad_dtypes": sorted(map(str, grads))}
 
 
+def measure_teacher(mc: ModelConfig, micro_batch: int, seq: int, dtype: torch.dtype) -> dict:
+    """All-gather bytes of one micro-batch of a frozen teacher as kd.Teacher runs it (no grad, no KV cache)."""
+    teacher = build_base(mc, 1).to(dtype).eval().requires_grad_(False)
+    shard_frozen(teacher)
+    rows = torch.randint(0, mc.vocab_size, (micro_batch, seq), generator=torch.Generator().manual_seed(0))
+    counter = [0]
+    with count_all_gathers(counter), torch.no_grad():
+        final_hidden(teacher, {"input_ids": rows, "use_cache": False})
+        teacher.unshard()  # the root resharded after its forward: the loss reads the head (kd.Teacher._forward)
+        output_head(teacher)
+        teacher.reshard()
+    params = sum(p.numel() for p in teacher.parameters()) * torch.finfo(dtype).bits // 8
+    return {"bytes": counter[0], "param_bytes": params}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=256)
@@ -79,6 +97,8 @@ def main() -> None:
                      num_heads=4, num_kv_heads=2)
     res = {prec: measure(info, prec, mc, a.micro_batch, a.seq) for prec in ("fp32", "bf16")}
     res["ratio"] = res["bf16"]["bytes"] / res["fp32"]["bytes"]
+    res["teacher"] = {str(dt).removeprefix("torch."): measure_teacher(mc, a.micro_batch, a.seq, dt)
+                      for dt in (torch.float32, torch.bfloat16)}
     if info.is_main:
         if a.json:
             print(json.dumps(res))
@@ -92,7 +112,12 @@ def main() -> None:
                 r = res[prec]
                 print(f"| {label} | {r['bytes'] / 2 ** 20:.2f} | {r['loss']:.4f} | {', '.join(r['master_dtypes'])} "
                       f"| {', '.join(r['grad_dtypes'])} |")
-            print(f"\nbf16 / fp32 bytes: {res['ratio']:.4f}")
+            print(f"\nbf16 / fp32 bytes: {res['ratio']:.4f}\n")
+            print("| teacher (same size, shard_frozen, forward only) | all-gathered (MiB, per rank) | its parameters "
+                  "(MiB) |")
+            print("|---|---|---|")
+            for dt, r in res["teacher"].items():
+                print(f"| {dt} | {r['bytes'] / 2 ** 20:.2f} | {r['param_bytes'] / 2 ** 20:.2f} |")
     teardown()
 
 

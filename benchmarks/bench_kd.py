@@ -2,12 +2,18 @@
 the teacher's logits made whole) against the chunked one (`kd_chunked.head_loss`, the teacher's logits made chunk by
 chunk from its final hidden states), at vocabularies 32,000 and 128,256, float32 on the CPU.
 
-Peak memory: the growth of the process's peak resident set (max RSS) over its resident set just before one loss
-and backward, each case in a fresh subprocess after one small warm-up call of the same case, so it counts what the
-loss allocates above the hidden states and weights of both models that exist before it (and not the library code
-that a first call maps in); the head's weight gradient (V x H float32), which both paths leave in .grad, is
-included in both; the chunked peak is the largest of three such processes. Time: median of paired ratios over
---repeats interleaved runs.
+Peak memory, two ways, each case in fresh subprocesses after one small warm-up call of the same case, above the
+hidden states and weights of both models that exist before the loss; the head's weight gradient (V x H float32),
+which both paths leave in .grad, is included in both:
+- tensors: the peak of the bytes of live tensors over a second loss and backward, from the torch profiler's
+  allocator records (`common.allocator_peak_bytes`), the same in every process;
+- RSS: the growth of the process's peak resident set (VmHWM, reset just before) over its resident set just before
+  the first loss and backward, with glibc returning every freed block over 128 KiB to the system at once
+  (MALLOC_MMAP_THRESHOLD_), so the resident set follows the live tensors; it also holds what libraries allocate
+  themselves (MKL's matmul workspace). The chunked RSS is the largest of three processes. Not getrusage's
+  ru_maxrss: Linux carries the high-water mark of the memory a process execs from into it, and subprocess execs
+  from the parent's (vfork), so a child's ru_maxrss is at least this benchmark's own peak so far.
+Time: median of paired ratios over --repeats interleaved runs.
 
     python benchmarks/bench_kd.py                                   # 2048 tokens, hidden 1024, the default chunk
     python benchmarks/bench_kd.py --tokens 4096 --hidden 2048 --vocab 32000
@@ -17,14 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import emit, paired_ratios  # noqa: E402
+from common import allocator_peak_bytes, emit, paired_ratios  # noqa: E402
 
 from affine_attention.train.kd import kd_loss_full  # noqa: E402
 from affine_attention.train.kd_chunked import CHUNK_TOKENS, OutputHead, head_loss  # noqa: E402
@@ -55,17 +60,26 @@ def _methods(h, w, h_t, w_t, y, chunk: int, temperature: float):
     return {"full": full, "chunked": chunked}
 
 
+def _status_bytes(key: str) -> int:
+    """A memory line of /proc/self/status (kB) in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
 def one_case(case: str, tokens: int, hidden: int, vocab: int, chunk: int) -> dict:
-    """Peak bytes of one method (run in its own process) and, for the chunked one, its value against the full."""
+    """Peak bytes of one method, run in its own process: max RSS growth over a first call, live tensors over a
+    second."""
     # One small call first: the library code the loss runs is mapped into the resident set on first use (file
     # pages, more of them when other processes keep the libraries in the page cache), not by the loss's tensors.
     _methods(*_inputs(64, hidden, 512), chunk, 2.0)[case]()
     h, w, h_t, w_t, y = _inputs(tokens, hidden, vocab)
     fn = _methods(h, w, h_t, w_t, y, chunk, 2.0)[case]
-    with open("/proc/self/statm") as f:
-        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
+    before = _status_bytes("VmRSS")
     fn()
-    return {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before}
+    rss = _status_bytes("VmHWM") - before
+    return {"rss": rss, "tensors": allocator_peak_bytes(fn)}
 
 
 def main() -> None:
@@ -83,8 +97,9 @@ def main() -> None:
         return
     lines = [f"### KD loss + backward, {a.tokens} tokens, hidden {a.hidden}, chunk {a.chunk}, float32, "
              f"{torch.get_num_threads()} threads, {a.repeats} repeats", "",
-             "| vocab | full peak (MiB) | chunked peak (MiB) | memory ratio | time ratio (chunked / full) | "
-             "loss rel. diff (float32) |", "|---|---|---|---|---|---|"]
+             "| vocab | full tensors (MiB) | chunked tensors (MiB) | tensors ratio | full RSS (MiB) | "
+             "chunked RSS (MiB, 3 processes) | RSS ratio (largest) | time ratio (chunked / full) | "
+             "loss rel. diff (float32) |", "|---|---|---|---|---|---|---|---|---|"]
     for vocab in a.vocab:
         peaks = {}
         for case, runs in (("full", 1), ("chunked", 3)):
@@ -93,9 +108,8 @@ def main() -> None:
             # glibc returns every block over 128 KiB to the system when freed, so the resident set follows the live
             # tensors (its default, a threshold that grows to 32 MiB, keeps freed blocks resident)
             env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-            # The chunked loss's largest of three fresh processes (the ratio's worst case; the full one is 7 GB)
-            peaks[case] = max(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True,
-                                                        env=env).stdout)["peak"] for _ in range(runs))
+            peaks[case] = [json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True,
+                                                     env=env).stdout) for _ in range(runs)]
         h, w, h_t, w_t, y = _inputs(a.tokens, a.hidden, vocab)
         with torch.no_grad():
             ref = float(kd_loss_full(h @ w.t(), h_t @ w_t.t(), 2.0))
@@ -104,8 +118,12 @@ def main() -> None:
         res = paired_ratios(_methods(h, w, h_t, w_t, y, a.chunk, 2.0), "full", torch.device("cpu"), a.repeats)
         del h, w, h_t, w_t
         mib = 2.0 ** 20
-        lines.append(f"| {vocab:,} | {peaks['full'] / mib:,.0f} | {peaks['chunked'] / mib:,.0f} | "
-                     f"1/{peaks['full'] / peaks['chunked']:.1f} | {res['chunked']['ratio']:.2f} | "
+        tensors = {case: max(r["tensors"] for r in runs) for case, runs in peaks.items()}
+        rss = {case: [r["rss"] for r in runs] for case, runs in peaks.items()}
+        lines.append(f"| {vocab:,} | {tensors['full'] / mib:,.0f} | {tensors['chunked'] / mib:,.0f} | "
+                     f"1/{tensors['full'] / tensors['chunked']:.1f} | {rss['full'][0] / mib:,.0f} | "
+                     f"{', '.join(f'{r / mib:,.0f}' for r in rss['chunked'])} | "
+                     f"1/{rss['full'][0] / max(rss['chunked']):.1f} | {res['chunked']['ratio']:.2f} | "
                      f"{abs(got - ref) / abs(ref):.1e} |")
     emit("\n".join(lines), a.out)
 

@@ -56,7 +56,9 @@ def paired_ratios(methods: dict[str, Callable[[], object]], baseline: str, devic
 
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
     """Peak bytes allocated while fn runs, above what was allocated before it (CPU via the profiler's memory
-    events, CUDA via the allocator's statistics)."""
+    events, CUDA via the allocator's statistics). On the CPU an op's event sums the allocations made inside it, so an
+    allocation counts once for every op that encloses it (linear > matmul > mm: 3x): the attention benchmarks' measure,
+    not the bytes of live tensors (`allocator_peak_bytes`)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -72,6 +74,26 @@ def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
     current = peak = 0
     for e in events:
         current += e.cpu_memory_usage
+        peak = max(peak, current)
+    return peak
+
+
+def allocations(fn: Callable[[], object]) -> list[int]:
+    """The bytes of every allocation (+) and free (-) while fn runs, in time order (profiler records, CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return [n for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                                 if e.name() == "[memory]")]
+
+
+def allocator_peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak of the bytes of live tensors while fn runs, above what was live before it (CPU): each allocation once,
+    unlike `peak_memory_bytes`. What libraries allocate themselves (MKL's matmul workspace) is not in it."""
+    current = peak = 0
+    for nbytes in allocations(fn):
+        current += nbytes
         peak = max(peak, current)
     return peak
 

@@ -11,6 +11,7 @@ HELPERS = frozenset({"test_hf_common.py", "test_train_helpers.py"})
 # classes): run in both environments.
 VERSION_SENSITIVE = frozenset({
     "test_analysis_capture.py", "test_analysis_masks.py", "test_attention_call.py", "test_backends.py",
+    "test_bench_memory.py",
     "test_backends_cuda.py", "test_backends_flex.py", "test_backends_plan.py", "test_ssmax.py",
     "test_cache_integrity.py", "test_checkpoint_dcp.py", "test_cli_checks.py", "test_kd_chunked.py",
     "test_compare_lockstep_resume.py",

@@ -25,6 +25,12 @@ def teacher_folder(tmp_path):
     return tmp_path / "teacher"
 
 
+def _teacher_flops(run):
+    """The teacher FLOPs each step of a run was charged: teacher_flops_per_s x the step's seconds."""
+    per_step = read_records(run / "metrics.jsonl", "config")[0]["tokens_per_step"]
+    return [r["teacher_flops_per_s"] * per_step / r["tokens_per_s"] for r in read_records(run / "metrics.jsonl")]
+
+
 def _losses(run):
     return [(r["step"], r["loss"], r["kd_loss"], r["grad_norm"]) for r in read_records(run / "metrics.jsonl")]
 
@@ -50,3 +56,8 @@ def test_variants_share_one_teacher_forward_and_keep_their_losses(tiny, teacher_
         assert len(got) == 3 and got == want, (v, got, want)
         assert (tmp_path / "shared" / v / "seed0" / "final" / "model.safetensors").is_file()
     assert _losses(tmp_path / "shared" / "softmax" / "seed0") != _losses(tmp_path / "shared" / "affine" / "seed0")
+    # One forward per step in all: charged to the run whose step ran it (softmax, stepped first), not to each run.
+    alone = _teacher_flops(tmp_path / "apart" / "softmax" / "seed0")
+    assert alone[0] > 0 and _teacher_flops(tmp_path / "apart" / "affine" / "seed0") == pytest.approx(alone)
+    assert _teacher_flops(tmp_path / "shared" / "softmax" / "seed0") == pytest.approx(alone)
+    assert _teacher_flops(tmp_path / "shared" / "affine" / "seed0") == [0.0] * 3

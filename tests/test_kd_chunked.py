@@ -67,6 +67,14 @@ def test_chunked_equals_full_loss_values_and_gradients_in_float64(kind, T, alpha
         assert float(kd) == pytest.approx(float(_reference(z, y, teacher_logits, kind, T, 1.0)), rel=1e-12)
 
 
+@pytest.mark.parametrize("T,alpha,post", [(1.0, 1.0, {}), (2.0, 0.7, {}), (1.5, 0.5, {"softcap": 0.8})])
+def test_the_kl_in_blocks_of_vocabulary_rows_equals_the_full_loss(monkeypatch, T, alpha, post):
+    from affine_attention.train import kd_chunked
+
+    monkeypatch.setattr(kd_chunked, "_KL_BLOCK", 10)  # chunks of 4 tokens: blocks of 2 rows, a last one of 1 (V 23)
+    test_chunked_equals_full_loss_values_and_gradients_in_float64("full", T, alpha, post, 4)
+
+
 def test_the_teachers_logits_are_made_chunk_by_chunk_from_its_hidden_states():
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)

@@ -112,6 +112,7 @@ class Teacher:
         self._model = None
         self.cache = None
         self.keep, self.memo = 0, {}  # `share`
+        self.forward_tokens = 0  # tokens this process's teacher forwarded since `take_forward_tokens` (MFU)
         student_fp = vocab_fingerprint(student_tok)
         meta = None
         if cfg.cache:
@@ -159,6 +160,7 @@ class Teacher:
         """The teacher's final hidden states and head ({"hidden", "head"}: logits are made chunk by chunk in the
         loss), or its top k logits per token, made chunk by chunk here. Never a KV cache: one forward per batch."""
         model_kwargs = {**model_inputs(inputs.to(self.device), self.doc_sep), "use_cache": False}
+        self.forward_tokens += inputs.numel()
         hidden = final_hidden(self.model, model_kwargs)  # (B, T, Ht)
         if self.shard:  # the root reshards after a forward without grad: gather the head once more for the loss
             self.model.unshard()
@@ -186,6 +188,13 @@ class Teacher:
         values = torch.stack([v for v, _ in found]).to(self.device)
         indices = torch.stack([x for _, x in found]).to(self.device)
         return {"values": values, "indices": indices}
+
+    def take_forward_tokens(self) -> int:
+        """The tokens forwarded since the last call, which restarts the count: a step's cost takes them after the
+        step, so a forward shared by runs in lockstep (`share`) or answered by the cache is charged to no run but the
+        one whose step ran it."""
+        n, self.forward_tokens = self.forward_tokens, 0
+        return n
 
     def share(self, micro_batches: int) -> None:
         """Keep the live targets of the last `micro_batches` micro-batches, so runs stepped in lockstep on the same

@@ -4,8 +4,9 @@ fused linear losses of liger-kernel do: no (tokens, vocab) tensor for a whole mi
 For each chunk of `chunk` tokens: logits = post(h_chunk @ W^T), the loss terms of those tokens and their gradient
 with respect to h_chunk and W, computed at once (an analytic gradient of the logits; the chain rule through the
 family's logit transform), and accumulated; backward only scales the stored gradients. The teacher's logits are made
-chunk by chunk from its final hidden states in the same way (no gradient). Peak memory is then a few
-(chunk, vocab) float32 tensors plus W's gradient, instead of ~28 bytes per (token, vocab) entry.
+chunk by chunk from its final hidden states in the same way (no gradient). A chunk's logits are held
+vocabulary-major, (vocab, chunk): the CPU's matmul then needs no workspace of their size. Peak memory is then two
+(vocab, chunk) float32 tensors (student, teacher) plus W's gradient, instead of ~28 bytes per (token, vocab) entry.
 
 The numbers equal `kd.kd_loss_full` / `kd_loss_topk` / `ce_loss` up to rounding: the head's matmul runs in the dtype
 the full path runs it in (the autocast dtype, or the weights' dtype), everything after it in float32 (float64 for
@@ -46,7 +47,8 @@ class OutputHead:
     softcap: float | None = None
 
     def post(self, raw: Tensor) -> Tensor:
-        """raw: (n, V) = hidden @ weight^T -> the model's logits (n, V) in float32 (float64 for float64)."""
+        """raw: hidden @ weight^T, in any layout (the loss's is (V, n)) -> the model's logits, same shape, in float32
+        (float64 for float64)."""
         z = raw.to(float_acc(raw.dtype))
         if self.divide is not None:
             z = z / self.divide
@@ -55,7 +57,7 @@ class OutputHead:
         return z
 
     def post_backward(self, raw: Tensor, grad: Tensor) -> Tensor:
-        """d loss / d raw from d loss / d logits (grad, float32/64, updated in place); raw: (n, V) as in `post`."""
+        """d loss / d raw from d loss / d logits (grad, float32/64, updated in place); raw as in `post`."""
         if self.softcap is not None:
             x = raw.to(grad.dtype) / (self.divide or 1.0)
             grad.mul_(1 - torch.tanh(x / self.softcap) ** 2)  # d/dx c tanh(x / c) = 1 - tanh^2
@@ -98,34 +100,60 @@ def _no_autocast(device: torch.device):
         contextlib.nullcontext()
 
 
+def _head_raw(hidden: Tensor, weight: Tensor) -> Tensor:
+    """hidden: (n, H), weight: (V, H) -> weight @ hidden^T: (V, n), the raw logits vocabulary-major. On the CPU MKL
+    makes this product with a ~2 MiB workspace, hidden @ weight^T (n, V) with one as large as its output."""
+    return torch.mm(weight, hidden.t())
+
+
 def teacher_chunk(targets: dict, s: slice) -> dict[str, Tensor]:
     """The teacher's targets for tokens s of a flattened micro-batch. targets: {"logits": (N, V)}, {"hidden": (N, Ht),
     "head": OutputHead} (logits made here, without gradient), or {"values", "indices": (N, k)} (top-k). Logits come
-    back as a new float32 (float64) tensor that the loss may overwrite."""
+    back vocabulary-major, (V, n), as a new float32 (float64) tensor that the loss may overwrite."""
     if "hidden" in targets:
         head: OutputHead = targets["head"]
         with torch.no_grad():
-            return {"logits": head.post(F.linear(targets["hidden"][s], head.weight))}
+            return {"logits": head.post(_head_raw(targets["hidden"][s], head.weight))}
     if "logits" in targets:
         logits = targets["logits"][s]
-        return {"logits": logits.to(float_acc(logits.dtype), copy=True)}
+        out = logits.new_empty(logits.shape[::-1], dtype=float_acc(logits.dtype))
+        return {"logits": out.copy_(logits.t())}
     return {key: targets[key][s] for key in ("values", "indices")}
 
 
 def _logsumexp(z: Tensor) -> Tensor:
-    """(n, V) -> (n,) with one (n, V) temporary (torch.logsumexp makes two)."""
-    peak = z.amax(dim=-1, keepdim=True)
-    return (z - peak).exp_().sum(-1).log_().add_(peak[:, 0])
+    """(V, n) -> (n,) over the vocabulary, with one (V, n) temporary (torch.logsumexp makes two)."""
+    peak = z.amax(dim=0)
+    return (z - peak).exp_().sum(0).log_().add_(peak)
+
+
+_KL_BLOCK = 1 << 20  # elements of the KL's probability temporary (4 MiB in float32)
+
+
+def _kl_rows(log_p: Tensor, log_q: Tensor, grad_scale: float | None, a: float) -> Tensor:
+    """sum p (log p - log q) over (V, n) log-probabilities, p = exp(log_p), made in blocks of vocabulary rows so
+    that no third (V, n) tensor exists; log_p is overwritten. With grad_scale, log_q becomes grad_scale * q - a * p
+    block by block (the gradient's KD part, and the CE's softmax at T = 1)."""
+    rows = max(1, _KL_BLOCK // log_p.shape[1])
+    kd = log_p.new_zeros(())
+    for r in range(0, log_p.shape[0], rows):
+        lp, lq = log_p[r:r + rows], log_q[r:r + rows]
+        p = lp.exp()
+        kd += torch.dot(p.reshape(-1), lp.sub_(lq).reshape(-1))
+        if grad_scale is not None:
+            lq.exp_().mul_(grad_scale).sub_(p, alpha=a)
+    return kd
 
 
 def _chunk_terms(z: Tensor, y: Tensor, teacher: dict | None, temperature: float, kd_alpha: float,
                  want_grad: bool) -> tuple[Tensor | None, Tensor, Tensor | None]:
-    """z: (n, V) student logits (float32/64; overwritten), y: (n,) targets -> (d loss_sum / dz or None, ce_sum,
-    kd_sum or None), loss_sum = kd_alpha * kd_sum + (1 - kd_alpha) * ce_sum, kd_sum = T^2 * sum over tokens of KL.
+    """z: (V, n) student logits, vocabulary-major (float32/64; overwritten), y: (n,) targets -> (d loss_sum / dz
+    (V, n) or None, ce_sum, kd_sum or None), loss_sum = kd_alpha * kd_sum + (1 - kd_alpha) * ce_sum, kd_sum = T^2 *
+    sum over tokens of KL.
 
-    In place where it can be, with torch's row-wise fused log-softmax: at most three (n, V) tensors live (student,
-    teacher, teacher probabilities). ce_sum is NaN when its weight is 0 and T != 1 (it would cost a pass of its own);
-    at T = 1 it is read off the KD's log-probabilities."""
+    In place where it can be, with torch's fused log-softmax over the vocabulary: two (V, n) tensors live (student,
+    teacher), a third only for the CE's softmax when the CE is mixed in at T != 1. ce_sum is NaN when its weight is 0
+    and T != 1 (it would cost a pass of its own); at T = 1 it is read off the KD's log-probabilities."""
     t = temperature
     ce_w = 1.0 - kd_alpha if teacher is not None else 1.0
     n = y.shape[0]
@@ -133,51 +161,47 @@ def _chunk_terms(z: Tensor, y: Tensor, teacher: dict | None, temperature: float,
     soft1 = None  # softmax(z) for the CE gradient when the KD works at another temperature
     if teacher is not None and t != 1.0 and ce_w > 0:
         lse1 = _logsumexp(z)
-        ce_sum = (lse1 - z.gather(-1, y[:, None])[:, 0]).sum()
-        soft1 = (z - lse1[:, None]).exp_() if want_grad else None
-    log_q = torch.log_softmax(z.div_(t) if t != 1.0 else z, dim=-1, out=z)  # (n, V), at temperature T
+        ce_sum = (lse1 - z.gather(0, y[None])[0]).sum()
+        soft1 = (z - lse1).exp_() if want_grad else None
+    log_q = torch.log_softmax(z.div_(t) if t != 1.0 else z, dim=0, out=z)  # (V, n), at temperature T
     if t == 1.0:
-        ce_sum = -log_q.gather(-1, y[:, None]).sum()
-    kd_sum = None
-    if teacher is not None:
-        if "logits" in teacher:
-            log_p = teacher["logits"].to(z.dtype)  # a chunk of its own (teacher_chunk): overwritten
-            log_p = torch.log_softmax(log_p.div_(t) if t != 1.0 else log_p, dim=-1, out=log_p)
-            p = log_p.exp()
-            kd_sum = torch.dot(p.reshape(-1), log_p.sub_(log_q).reshape(-1))  # sum p (log p - log q)
-            del log_p
-        else:  # top-k: the teacher renormalised on its k values, the student's full-vocabulary log-probabilities
-            idx = teacher["indices"].long()
-            log_p = torch.log_softmax(teacher["values"].to(z.dtype) / t, dim=-1)  # (n, k)
-            p = log_p.exp()
-            kd_sum = (p * (log_p - log_q.gather(-1, idx))).sum()
+        ce_sum = -log_q.gather(0, y[None]).sum()
+    # d/dz of T^2 sum_j p_j (log p_j - log q_j) is T (q - p) (p zero off a top-k support); of CE: softmax(z) - onehot.
+    # At T = 1 the CE's softmax is q itself.
+    a = kd_alpha * t
+    q_scale = ce_w if teacher is None else a + (ce_w if t == 1.0 else 0.0)
+    kd_sum, made = None, False  # made: log_q holds q_scale * q - a * p already
+    if teacher is not None and "logits" in teacher:
+        log_p = teacher["logits"].to(z.dtype)  # a chunk of its own (teacher_chunk): overwritten
+        log_p = torch.log_softmax(log_p.div_(t) if t != 1.0 else log_p, dim=0, out=log_p)
+        kd_sum, made = _kl_rows(log_p, log_q, q_scale if want_grad else None, a), want_grad
+        del log_p
+    elif teacher is not None:  # top-k: the teacher renormalised on its k values, the student's full log-probabilities
+        idx = teacher["indices"].long().t()  # (k, n)
+        log_p = torch.log_softmax(teacher["values"].t().to(z.dtype) / t, dim=0)  # (k, n)
+        p = log_p.exp()
+        kd_sum = (p * (log_p - log_q.gather(0, idx))).sum()
+    if kd_sum is not None:
         kd_sum = (t * t) * kd_sum
     if not want_grad:
         return None, ce_sum, kd_sum
-    # d/dz of T^2 sum_j p_j (log p_j - log q_j) is T (q - p) (p zero off a top-k support); of CE: softmax(z) - onehot
-    grad = log_q.exp_()  # q
-    if teacher is None or kd_alpha == 0:
-        grad = grad if soft1 is None else soft1
-        grad.mul_(ce_w)
-    else:
-        a = kd_alpha * t
-        grad.mul_(a + (ce_w if t == 1.0 else 0.0))  # at T = 1 the CE's softmax is q itself
-        if "logits" in teacher:
-            grad.sub_(p, alpha=a)
-        else:
-            grad.scatter_add_(-1, idx, p.mul_(-a))
-        if soft1 is not None:
-            grad.add_(soft1, alpha=ce_w)
+    grad = log_q
+    if not made:
+        grad.exp_().mul_(q_scale)
+        if teacher is not None:  # top-k
+            grad.scatter_add_(0, idx, p.mul_(-a))
+    if soft1 is not None:
+        grad.add_(soft1, alpha=ce_w)
     if ce_w > 0:
-        grad.scatter_add_(-1, y[:, None], grad.new_full((n, 1), -ce_w))
+        grad.scatter_add_(0, y[None], grad.new_full((1, n), -ce_w))
     return grad, ce_sum, kd_sum
 
 
 def _one_chunk(hidden, w, head, targets, teacher, s, cdt, temperature, kd_alpha, want_grad):
-    """The loss sums of tokens s and, with want_grad, d mean-loss numerator / d raw logits of the chunk (n, V) in
-    cdt, with h = hidden[s] in cdt. A function of its own so that each chunk's (n, V) tensors die at its end."""
+    """The loss sums of tokens s and, with want_grad, d mean-loss numerator / d raw logits of the chunk (V, n) in
+    cdt, with h = hidden[s] in cdt. A function of its own so that each chunk's (V, n) tensors die at its end."""
     h = hidden[s].to(cdt)
-    raw = F.linear(h, w)  # (n, V)
+    raw = _head_raw(h, w)  # (V, n)
     t_chunk = teacher_chunk(teacher, s) if teacher is not None else None
     grad, ce_sum, kd_sum = _chunk_terms(head.post(raw), targets[s], t_chunk, temperature, kd_alpha, want_grad)
     del t_chunk
@@ -207,15 +231,15 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 sums += chunk_sums.to(sums.dtype)
                 if g is None:  # nothing asks for a gradient
                     continue
-                g.div_(n_tok)  # (n, V): d mean loss / d raw logits
+                g.div_(n_tok)  # (V, n): d mean loss / d raw logits
                 if need_h and grad_h.dtype == g.dtype:
-                    torch.mm(g, w, out=grad_h[s])
+                    torch.mm(g.t(), w, out=grad_h[s])
                 elif need_h:
-                    grad_h[s] = g @ w
+                    grad_h[s] = g.t() @ w
                 if need_w and g.dtype == acc:
-                    grad_w.addmm_(g.t(), h)
+                    grad_w.addmm_(g, h)
                 elif need_w:
-                    grad_w.add_((g.t() @ h).to(acc))
+                    grad_w.add_((g @ h).to(acc))
                 del g
         # Kept on ctx, not saved tensors: backward hands them over as the only reference, so autograd stores the
         # weight's gradient as it is instead of copying (V, H) once more.

@@ -335,7 +335,7 @@ class Trainer:
         steps = self.tc.steps - self.start_step
         if not steps or not self.train_time:
             return {"mfu": None, "data_wait_s_per_step": None, "host_syncs_per_step": None}
-        return {"mfu": self.cost.record(self.train_time / steps)["mfu"], "data_wait_s_per_step": self.data_wait / steps,
+        return {"mfu": self.cost.mean(self.train_time)["mfu"], "data_wait_s_per_step": self.data_wait / steps,
                 "host_syncs_per_step": self.syncs_total / steps if self.syncs.on else None}
 
     def run(self) -> dict[str, Any]:

@@ -6,8 +6,9 @@ metrics.jsonl holds one JSON object per line, tagged by "kind":
           L2 norm before clipping), tokens_per_s (this step, all ranks), wall_time (s since the run began, across
           resumes), tokens; data_wait_s (time this step waited for its batch), host_syncs (device-to-host waits
           in forward, backward and optimizer step, counted on CUDA; null elsewhere), student_flops_per_s and
-          teacher_flops_per_s per device, and mfu / mfu_student / mfu_teacher against the device's bf16 dense peak
-          (null where the peak is unknown, e.g. on CPU, where MFU means nothing);
+          teacher_flops_per_s per device (the teacher's forwards this step ran: in compare's lockstep only the run
+          whose step ran the shared forward counts it), and mfu / mfu_student / mfu_teacher against the device's bf16
+          dense peak (null where the peak is unknown, e.g. on CPU, where MFU means nothing);
           and the statistics the variant declares: <key>_mean, <key>_std per layer for each per-token statistic
           (variant.token_stats, e.g. affine: alpha_mean, alpha_std over heads and tokens of this step's batches, all
           ranks) and <key> per layer, mean over heads, for each per-head state (variant.state_stats, e.g. alpha_ma,
@@ -257,33 +258,47 @@ def device_peak_flops(device: torch.device) -> float | None:
 
 class StepCost:
     """Model FLOPs of one optimizer step (student 6N + attention, live teacher forward 2N + attention, dryrun's
-    formula) and the MFU they make per device in a measured step time."""
+    formula) and the MFU they make per device in a measured step time.
+
+    The teacher counts for the tokens it forwarded during the step (`kd.Teacher.take_forward_tokens`), not for every
+    step: runs stepped in lockstep on one shared teacher forward (compare.share_teacher) charge it to the run whose
+    step ran it, and whose step time holds it, and nothing to the others; rows a top-k cache answered cost nothing."""
 
     def __init__(self, hf_model: nn.Module, params: int, seq: int, tokens_per_step: int, world: int,
                  device: torch.device, teacher=None):
         from .dryrun import flops_per_token, hf_sizes
 
         self.student = flops_per_token(params=params, seq=seq, **hf_sizes(hf_model.config)) * tokens_per_step / world
-        self.teacher, self.seq, self.tokens = teacher, seq, tokens_per_step / world
+        self.teacher, self.seq = teacher, seq
         self.peak = device_peak_flops(device)
-        self._teacher_flops: float | None = None
+        self._teacher_per_token: float | None = None
+        self.steps, self.teacher_total = 0, 0.0  # over the steps recorded
 
     def teacher_flops(self) -> float:
-        """Per device and step; 0 until a live teacher model is loaded (a teacher cache that answers everything
-        loads none)."""
-        model = getattr(self.teacher, "_model", None)
-        if model is None:
+        """The teacher's FLOPs on this device since the last call: its forwards in the step just timed."""
+        tokens = self.teacher.take_forward_tokens() if self.teacher is not None else 0
+        if not tokens:
             return 0.0
-        if self._teacher_flops is None:
+        if self._teacher_per_token is None:
             from .dryrun import flops_per_token, hf_sizes
 
+            model = self.teacher.model  # loaded: it has forwarded
             n = sum(p.numel() for p in model.parameters())
-            self._teacher_flops = flops_per_token(params=n, seq=self.seq, forward_only=True,
-                                                  **hf_sizes(model.config)) * self.tokens
-        return self._teacher_flops
+            self._teacher_per_token = flops_per_token(params=n, seq=self.seq, forward_only=True,
+                                                      **hf_sizes(model.config))
+        return self._teacher_per_token * tokens
 
     def record(self, dt: float) -> dict[str, float | None]:
+        """The rates of the step that took dt seconds and has just ended."""
         teacher = self.teacher_flops()
+        self.steps, self.teacher_total = self.steps + 1, self.teacher_total + teacher
+        return self._rates(teacher, dt)
+
+    def mean(self, seconds: float) -> dict[str, float | None]:
+        """The rates over every step recorded, which took `seconds` in all."""
+        return self._rates(self.teacher_total / self.steps, seconds / self.steps)
+
+    def _rates(self, teacher: float, dt: float) -> dict[str, float | None]:
         out = {"student_flops_per_s": self.student / dt, "teacher_flops_per_s": teacher / dt}
         mfu = (lambda f: f / dt / self.peak) if self.peak else (lambda f: None)
         out.update(mfu=mfu(self.student + teacher), mfu_student=mfu(self.student), mfu_teacher=mfu(teacher))
