@@ -101,6 +101,7 @@ def test_gpu_check_cpu_dry_run(tmp_path):
         assert 0 < float(r["rel eager vs float64"]) < (1e-2 if r["dtype"] == "bfloat16" else 1e-5), r
 
 
+@pytest.mark.slow  # the script's failure handling (~15 s each): the slow suite
 def test_gpu_check_keeps_every_row_through_failures_and_a_kill(tmp_path):
     """One row raising, the worker SIGKILLed later in the same group, a group raising, then the script itself killed
     while a group hangs: each finished row is on disk as soon as it is finished, each failure is a `failed:` row
@@ -159,6 +160,7 @@ def test_gpu_check_keeps_every_row_through_failures_and_a_kill(tmp_path):
     assert rows[("causal", "affine")]["sdpa kernel"] == "flash (cpu)"
 
 
+@pytest.mark.slow  # the script's failure handling (~15 s each): the slow suite
 def test_gpu_check_times_out_hung_steps(tmp_path):
     """A hung CUDA test and a hung group are cut at their timeouts; the tests' partial output is kept, the group is
     a `failed: timed out` row whose traceback entry is the hung worker's stack dump, and the run still exits 0."""
