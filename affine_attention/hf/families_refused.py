@@ -27,16 +27,18 @@ REASONS = {
                  "logits",
 }
 
-NEWEST = "5.24"  # the transformers these records were taken on
+NEWEST = "5.25"  # the transformers these records were taken on
 LOWEST = "5.17"  # the lowest supported transformers
 # Candidates of NEWEST that are none in LOWEST (not shipped yet, or attention not yet through the interface).
 ABSENT_IN_LOWEST = (
-    "apertus1p5_text", "bailing_hybrid", "beam", "codegen", "dory", "dots3_note", "dots3_note_text", "exaone",
-    "flint", "gptj", "inkling2_loop_text", "inkling2_text", "internlm3", "iquestcoder", "kolibri1", "lara_mini",
-    "lfm3", "moss_transcribe_diarize", "sarvam_mla", "sarvam_moe",
+    "apertus1p5_text", "bailing_hybrid", "beam", "codegen", "dory", "dots3_note", "dots3_note_text", "ergo",
+    "exaone", "falcon", "flint", "gptj", "inkling2_loop_text", "inkling2_text", "internlm3", "iquestcoder",
+    "kolibri1", "kolibri1_1", "lara_mini", "lfm3", "minicpm5_moe", "moss_transcribe_diarize", "param2moe",
+    "sarvam_mla", "sarvam_moe",
 )
 # model type -> the table family whose model class it runs (with a config class of its own)
-ALIASES = {"exaone": "llama", "internlm3": "llama", "iquestcoder": "llama", "sarvam_moe": "glm4_moe"}
+ALIASES = {"exaone": "llama", "internlm3": "llama", "iquestcoder": "llama", "param2moe": "glm4_moe",
+           "sarvam_moe": "glm4_moe"}
 # model type -> (reason key of REASONS, what was found)
 REFUSED = {
     "axk1": ("latent_attention", "config.kv_lora_rank"),
@@ -71,6 +73,7 @@ REFUSED = {
     "electra": ("cross_attention", "ElectraModel.encoder"),
     "emu3": ("multimodal", "Emu3Config (text_config, vq_config)"),
     "ernie": ("cross_attention", "ErnieModel.encoder"),
+    "falcon": ("layout", "FalconForCausalLM has no model.layers"),
     "falcon_h1": ("linear_or_state_space", "FalconH1Mixer"),
     "gemma3": ("multimodal", "Gemma3Config (text_config, vision_config)"),
     "gemma3n": ("multimodal", "Gemma3nConfig (audio_config, text_config, vision_config)"),
@@ -93,6 +96,7 @@ REFUSED = {
     "jamba": ("linear_or_state_space", "JambaMambaDecoderLayer, JambaMambaMixer"),
     "jetmoe": ("layout", "a decoder layer without self_attn.o_proj"),
     "kimi_linear": ("latent_attention", "config.kv_lora_rank"),
+    "kolibri1_1": ("seam", "layer types ['indexed_attention']"),
     "lara_mini": ("linear_or_state_space", "LaraMiniGatedDeltaNet"),
     "lfm2": ("layout", "a decoder layer without self_attn.o_proj"),
     "lfm2_moe": ("linear_or_state_space", "Lfm2MoeShortConv"),

@@ -32,6 +32,12 @@ SIZE_KEYS = {
     "dots3_note_text": dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
                             q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, index_n_heads=2,
                             index_head_dim=16, shared_experts_intermediate_size=32),
+    # a top-k indexer over compressed keys on its "indexed_attention" layers (the seam refuses that layer type)
+    "kolibri1_1": dict(layer_types=["sliding_attention", "indexed_attention"], sliding_window=4, index_num_heads=2,
+                       index_topk=4, index_pool_size=16, index_compression=4, index_num_local_tokens=2,
+                       index_num_sink_tokens=1, mlp_only_layers=[0], mlp_only_intermediate_size=32,
+                       moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                       shared_expert_intermediate_size=32),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "phi4_multimodal": dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                num_attention_heads=2, image_size=28, patch_size=14),

@@ -41,7 +41,7 @@ def hf_config(mc: ModelConfig, *, eos_token_id: int | None = None, pad_token_id:
 # The [model] fields behind each config key a family may name differently (families.Family.config_keys).
 _FIELDS_OF_KEY = {"rms_norm_eps": ("rms_norm_eps",), "intermediate_size": ("intermediate_size",),
                   "head_dim": ("head_dim",), "initializer_range": ("initializer_range",),
-                  "rope_parameters": ("rope_theta", "rope_scaling")}
+                  "rope_parameters": ("rope_theta", "rope_scaling"), "tie_word_embeddings": ("tie_embeddings",)}
 
 
 def _rename_keys(kwargs: dict, family, mc: ModelConfig) -> None:
