@@ -205,6 +205,21 @@ def test_a_norm_before_the_output_projection_breaks_the_retrofit():
     assert deltas["retrofit"] > 0.1 and all(deltas[k] <= survey.TOL for k in ("left", "right", "cache"))
 
 
+@pytest.mark.parametrize("family", [f for f in family_names() if FAMILIES[f].available()])
+def test_train_gives_every_rope_layer_the_configured_theta(family):
+    """A config class that keeps RoPE per layer type reads a flat dict as one more key beside its defaults (5.25) or
+    refuses it (5.17): the model's rope_theta must reach every layer type the config has RoPE for."""
+    from affine_attention.train.config import ModelConfig
+    from affine_attention.train.model import hf_config
+
+    rope = hf_config(ModelConfig(arch=family, rope_theta=1234.0), eos_token_id=2, pad_token_id=0).rope_parameters
+    if not rope:
+        return  # no RoPE at all
+    per_type = {k: v for k, v in rope.items() if k in ("sliding_attention", "full_attention")}
+    for kind, params in (per_type or {"all": rope}).items():
+        assert params is None or params["rope_theta"] == 1234.0, (family, kind, rope)
+
+
 # --- training from scratch: each family's own config keys ----------------------------------------------------------
 @pytest.mark.parametrize("family", [f for f in family_names() if FAMILIES[f].available()])
 def test_train_writes_every_value_under_the_familys_own_config_key(family):
