@@ -52,6 +52,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerExited(AssertionError):
+    """`transformers serve` stopped before answering /health."""
+
+
 def _serve(directory: Path, log: Path, *flags: str):
     port = _free_port()
     cli = Path(sys.executable).with_name("transformers")
@@ -61,7 +65,7 @@ def _serve(directory: Path, log: Path, *flags: str):
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"transformers serve exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            raise ServerExited(f"transformers serve exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
             return proc, port
@@ -102,6 +106,10 @@ def test_transformers_serve_answers_with_generates_text(converted, tmp_path):
 def test_transformers_serve_refuses_continuous_batching_naming_vllm(converted, tmp_path):
     directory, _ = converted
     log = tmp_path / "serve.log"
-    status, answer = _serve_and_complete(directory, log, "--continuous-batching")
-    assert status == 500, answer
+    try:
+        status, answer = _serve_and_complete(directory, log, "--continuous-batching")
+    except ServerExited:  # transformers >= 5.25 loads the model at start: the refusal stops the server there
+        pass
+    else:  # older versions load it on the first request, which fails
+        assert status == 500, answer
     assert "serve converted models with vLLM" in log.read_text()

@@ -9,6 +9,7 @@ compiled graph applies once per forward and never again when the backward recomp
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -38,6 +39,11 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> int:
     """torch.compile every decoder layer in place, fullgraph by default (a graph break inside a block is an error,
     not a silent slow path); returns how many."""
     layers = decoder_layers(model)
+    if any(getattr(layer, "gradient_checkpointing", False) for layer in layers) and _kernelized(model):
+        # transformers >= 5.25 with the `kernels` package wraps attention forwards (use_kernelized_func) in a
+        # ContextVar set / reset: a Python side effect inside every checkpoint region, which dynamo refuses under
+        # fullgraph. The pair leaves no state behind, so skipping its replay in the recompute is exact.
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in layers:
         layer.compile(**{"fullgraph": True, **compile_kwargs})
     return len(layers)
@@ -49,3 +55,8 @@ def prepare_blocks(model: nn.Module, *, checkpointing: bool, every: int, compile
         checkpoint_blocks(model, every)
     if compile:
         compile_blocks(model)
+
+
+def _kernelized(model: nn.Module) -> bool:
+    """Whether any module runs through the `kernels` package's forward wrapper (it records `_kernel_funcs`)."""
+    return any(hasattr(m, "_kernel_funcs") for m in model.modules())
