@@ -231,7 +231,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _enumerated("ernie4_5_moe", "Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "q_proj, k_proj, v_proj (no bias)",
                 tiny=dict(moe_intermediate_size=32), configurable_bias=False, keys={"head_dim": None}),
     # every n-th layer global, the rest sliding; its config names the dense and shared MLP sizes of its own
-    _enumerated("ergo", "ErgoConfig", "ErgoForCausalLM", "fused qkv_proj (no bias); q/k norms", "sliding window; MoE MLP",
+    _enumerated("ergo", "ErgoConfig", "ErgoForCausalLM", "fused qkv_proj (no bias); q/k norms",
+                "sliding window; MoE MLP",
                 tiny=dict(sliding_window=4, global_attention_every_n_layers=2, first_dense_intermediate_size=32,
                 num_dense_blocks=1, moe_intermediate_size=32, shared_intermediate_size=32, num_experts=4,
                 num_experts_per_tok=2), peft_targets=("qkv_proj",), configurable_bias=False, rope_per_layer_type=True,
