@@ -93,9 +93,14 @@ def test_enable_gqa_must_be_a_bool(bad):
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("where", ["k", "v"])
 @pytest.mark.parametrize("mask", ["none", "causal", "keypad"])
-def test_a_non_finite_key_or_value_makes_exactly_the_queries_that_see_it_nan(dtype, value, where, mask):
+@pytest.mark.parametrize("path", ["eager_cpu", "accelerator"])
+def test_a_non_finite_key_or_value_makes_exactly_the_queries_that_see_it_nan(monkeypatch, dtype, value, where, mask,
+                                                                             path):
     """Without a mask too: a key whose logit is -inf would otherwise drop out of the softmax and leave the output
-    finite, silently."""
+    finite, silently. path: "accelerator" takes the rule's path for devices where reading a value would sync."""
+    from affine_attention.ops import nonfinite
+
+    monkeypatch.setattr(nonfinite, "_asks", lambda t: path == "eager_cpu" and t.device.type == "cpu")
     torch.manual_seed(0)
     B, H, T, S, D = 2, 4, 4, 6, 8
     q, k, v = torch.randn(B, H, T, D, dtype=dtype), torch.randn(B, 2, S, D, dtype=dtype), torch.randn(B, 2, S, D, dtype=dtype)
@@ -153,3 +158,61 @@ def test_a_decoding_cache_tracks_its_non_finite_heads_from_the_rows_each_step_ap
     assert not trusted and bad.tolist() == [[True, False]]  # the nan written in place at row 0 is found now
     with pytest.raises(ValueError, match="kv_nonfinite must be a \\(B, Hkv\\) = \\(1, 2\\) bool tensor or False"):
         attention_with_epilogue(q, key, value, enable_gqa=True, kv_nonfinite=bad.float())
+
+
+@pytest.mark.parametrize("backend", [None, "cpu_flash", "exact"])
+@pytest.mark.parametrize("value", [3e38, -3e38])
+@pytest.mark.parametrize("where", ["k", "kv"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_finite_padded_key_near_float32s_range_changes_no_query(backend, value, where, causal):
+    """Issue 43: a padded key of 3e38 made every row of its batch nan on cpu_flash (its additive -inf bias meets an
+    overflowed logit: inf - inf). A padded key is hidden from every query, so nothing may depend on it."""
+    from affine_attention.ops import softmax_attention_reference
+
+    torch.manual_seed(0)
+    B, H, T, D = 2, 2, 8, 16
+    q, k, v = (torch.randn(B, H, T, D, dtype=torch.float64) for _ in range(3))
+    keys = torch.ones(B, 1, 1, T, dtype=torch.bool)
+    keys[0, ..., -2:] = False
+    k[0, :, -1] = value
+    if where == "kv":
+        v[0, :, -1] = value
+    ref = softmax_attention_reference(q, k, v, attn_mask=keys, is_causal=causal)[0]
+    out = softmax_attention(q.float(), k.float(), v.float(), attn_mask=keys, is_causal=causal, backend=backend)
+    rows = slice(None, -2) if causal else slice(None)  # under causal the padded queries see no key: 0 either way
+    torch.testing.assert_close(out[:, :, rows].double(), ref[:, :, rows], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 3e38])
+@pytest.mark.parametrize("where", ["q", "k", "v", "alpha"])
+@pytest.mark.parametrize("mask", ["none", "causal", "keypad", "window"])
+@pytest.mark.parametrize("backend", [None, "cpu_flash"])
+def test_the_accelerator_path_of_the_non_finite_rule_gives_what_eager_cpu_gives(monkeypatch, value, where, mask,
+                                                                                backend):
+    """Where reading a value would sync (CUDA, torch.compile) the non-finite rule tests every row instead of asking
+    first (ops/nonfinite.py); both paths give the same outputs and gradients, bit for bit."""
+    from affine_attention.ops import nonfinite
+
+    torch.manual_seed(0)
+    B, H, T, S, D = 2, 4, 5, 7, 8
+    base = dict(q=torch.randn(B, H, T, D), k=torch.randn(B, 2, S, D), v=torch.randn(B, 2, S, D),
+                alpha=torch.rand(B, H, T))
+    base[where][1, 1, 3] = value
+    kw = {"none": {}, "causal": {"is_causal": True}, "window": {"is_causal": True, "window": 3},
+          "keypad": {"attn_mask": torch.tensor([True] * 5 + [False, False])[None, None, None].expand(B, 1, 1, S)}}
+    results = []
+    for asks in (True, False):
+        monkeypatch.setattr(nonfinite, "_asks", lambda t, asks=asks: asks and t.device.type == "cpu")
+        x = {n: t.clone().requires_grad_() for n, t in base.items()}
+        out = affine_scaled_attention(x["q"], x["k"], x["v"], x["alpha"], torch.rand(H, generator=torch.Generator()
+                                      .manual_seed(1)), enable_gqa=True, backend=backend, **kw[mask])
+        out.nan_to_num(0.0).sum().backward()
+        results.append([out] + [x[n].grad for n in ("q", "k", "v", "alpha")])
+    if mask == "keypad":
+        # A padded key's gradient is 0 on the accelerator path (its row is zeroed before the kernel) and 0 * nan on
+        # eager CPU when a query's infinite alpha makes its dO nan: both outside what any query depends on.
+        for i in (2, 3):
+            for r in results:
+                r[i] = r[i][:, :, :5]
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, equal_nan=True, atol=0, rtol=0)

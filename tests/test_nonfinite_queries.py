@@ -60,7 +60,12 @@ def _placements():
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("placement", range(3))
 @pytest.mark.parametrize("mask", ["causal", "none", "padding"])
-def test_nonfinite_query_inputs_follow_one_rule_on_every_backend(value, placement, mask):
+@pytest.mark.parametrize("path", ["eager_cpu", "accelerator"])
+def test_nonfinite_query_inputs_follow_one_rule_on_every_backend(monkeypatch, value, placement, mask, path):
+    """path: "accelerator" takes the rule's path for devices where reading a value would sync (ops/nonfinite.py)."""
+    from affine_attention.ops import nonfinite
+
+    monkeypatch.setattr(nonfinite, "_asks", lambda t: path == "eager_cpu" and t.device.type == "cpu")
     name, index, ops, poisoned = _placements()[placement]
     kw = {"causal": dict(is_causal=True), "none": {}}.get(mask)
     if kw is None:

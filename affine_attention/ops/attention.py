@@ -8,17 +8,14 @@ The readable, weight-materialising form of every op is reference.py.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from . import backends
+from . import backends, nonfinite
 from ._validate import check_bias_norm, check_per_head, check_qkv, check_v_mean
 from .call import AttentionCall
 from .epilogue import epilogue, select_impl
 from .masks import MaskSpec
-from .visible_sums import visible_sum_and_count
 
 
 def affine_scaled_attention(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, alpha_ma: Tensor, *,
@@ -160,67 +157,11 @@ def attend_call(call: AttentionCall, *, alpha: Tensor | None = None, alpha_ma: T
         # (s q).k = s (q.k): every kernel serves a per-query logit scale, and autograd carries its gradient.
         q = q * score.q_scale.to(q.dtype)[..., None]
         score = score._replace(q_scale=None)
-    k, v, seen = _isolate_nonfinite(k, v, mask, Hq, kv_nonfinite)
+    k, v, seen = nonfinite.isolate(q, k, v, mask, score.scale, kv_nonfinite)
     out, _ = backends.attention(q, k, v, mask, score, sinks=sinks, backend=call.backend)
     if alpha is not None and v_mean is None:
         out = epilogue(out, alpha=alpha, alpha_ma=alpha_ma, gate=gate, v=v, mask=mask, bias_norm=bias_norm,
                        impl=impl)
     else:
         out = epilogue(out, alpha=alpha, alpha_ma=alpha_ma, gate=gate, v_mean=v_mean, impl=impl)
-    return _poison_queries(_poison_seen(out, seen), q, alpha)
-
-
-def _isolate_nonfinite(k: Tensor, v: Tensor, mask: MaskSpec, Hq: int,
-                       known: Tensor | bool | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """k, v: (B, Hkv, S, D) -> (k, v with every non-finite key row and value row set to 0, seen), where
-    seen: (B, Hkv|Hq, T|1, 1) bool is True for the queries that may see such a row (None when there is none).
-    known: (B, Hkv) bool, the heads that hold such a row, or False for none, when the caller knows (then no row is
-    read where that decides: none at all, or every query seeing every key).
-
-    Kernels multiply hidden values by a zero weight and add a -inf bias to hidden logits; 0 * nan and nan - inf are
-    nan, so without this a padded or future key poisons rows that never see it. Eager CPU first asks one
-    reduction per tensor (a nan or inf makes the sum non-finite; a finite overflow only sends it on to the exact
-    per-row test). Elsewhere (accelerators, torch.compile) asking would sync, so the rows are always tested (and,
-    under a mask, cleaned)."""
-    eager_cpu = k.device.type == "cpu" and not torch.compiler.is_compiling()
-    if known is False:
-        return k, v, None
-    if known is not None and not mask.kinds:
-        return k, v, known[:, :, None, None]
-    if eager_cpu and math.isfinite((k.sum() + v.sum()).item()):
-        return k, v, None  # the common case
-    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # (B, Hkv, S)
-    if eager_cpu and not bool(bad.any()):
-        return k, v, None  # every element finite after all: the sum overflowed
-    if not mask.kinds:
-        # Every query sees every key: each query of a head with a non-finite row is nan. Without this a key whose
-        # logit is -inf would drop out of the softmax and leave the output finite.
-        return k, v, bad.any(-1)[:, :, None, None]
-    row = bad[..., None]
-    seen, _ = visible_sum_and_count(row.to(v.dtype), mask, Hq)
-    return k.masked_fill(row, 0), v.masked_fill(row, 0), seen > 0.5
-
-
-def _poison_queries(out: Tensor, q: Tensor, alpha: Tensor | None) -> Tensor:
-    """out: (B, Hq, T, D); q: (B, Hq, T, D); alpha: (B, Hq, T) or None. A query whose q row or alpha holds a nan or
-    an inf gets nan, as the reference's arithmetic gives (and torch's math SDPA): fast kernels otherwise return a
-    finite row (their running max skips a nan logit, and -inf logits read as "sees no key" give 0). The rule is
-    one for every backend; sinks need none (the sink's sigmoid(lse - s) already gives what the definition does)."""
-    if q.device.type == "cpu" and not torch.compiler.is_compiling() and math.isfinite(
-            (q.sum() + (0 if alpha is None else alpha.sum())).item()):
-        return out  # the common case: one reduction per tensor, no per-row test
-    ok = torch.isfinite(q).all(-1)
-    if alpha is not None:
-        ok = ok & torch.isfinite(alpha)
-    return torch.where(ok[..., None], out, torch.full((), float("nan"), dtype=out.dtype, device=out.device))
-
-
-def _poison_seen(out: Tensor, seen: Tensor | None) -> Tensor:
-    """out: (B, Hq, T, D); the queries that saw a non-finite key or value (`seen` from `_isolate_nonfinite`) get
-    nan, as they would without isolation (None: nothing was non-finite)."""
-    if seen is None:
-        return out
-    B, Hq, T, D = out.shape
-    G = Hq // seen.shape[1]
-    hit = seen[:, :, None].expand(B, Hq // G, G, seen.shape[2], 1).reshape(B, Hq, seen.shape[2], 1)
-    return out.masked_fill(hit, float("nan"))
+    return nonfinite.poison(out, seen, q, alpha)

@@ -1,0 +1,90 @@
+"""The non-finite guarantee of the fast path, in as few passes as it can hold: a non-finite key or value row reaches
+only the queries that may see it (they get nan, as the float64 reference's arithmetic gives), and a query whose q row
+or alpha is non-finite gets nan whatever the kernel's running max made of it.
+
+Kernels multiply hidden values by a zero weight and add a -inf bias to hidden logits; 0 * nan, nan - inf and
+inf - inf are nan, so without this a padded or future key poisons rows that never see it. Cost on an accelerator
+(where asking the data would sync): one row reduction over each of q, k and v (`aminmax`, no full-size
+intermediate), one masked copy of k and v, one masked pass over the output; eager CPU asks first and, in the common
+all-finite case, does none of the copies (benchmarks/bench_isolation.py measures both paths against raw SDPA).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .masks import MaskSpec
+from .visible_sums import visible_sum_and_count
+
+# A padded key hides from every query, so its content never matters, but the additive -inf bias some kernels apply
+# to it is only safe while its logit is finite: once |q|max * |k|max * D * scale may pass float32's range (this
+# bound, a factor 16 below it), padded rows are zeroed too.
+_LOGIT_ROOM = torch.finfo(torch.float32).max / 16
+
+
+def _asks(t: Tensor) -> bool:
+    """Whether reading a value of `t` on the host is cheap and allowed: eager CPU (no sync, no graph break)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _finite_rows(x: Tensor) -> Tensor:
+    """x: (..., D) -> (...) bool, True where the row holds no nan or inf. One reduction without a full-size bool
+    intermediate: aminmax propagates nan, and an inf is its own min or max."""
+    lo, hi = torch.aminmax(x.detach(), dim=-1)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+def isolate(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float,
+            known: Tensor | bool | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """q: (B, Hq, T, D); k, v: (B, Hkv, S, D) -> (k, v with every non-finite key row and value row set to 0, seen),
+    seen: (B, Hkv|Hq, T|1, 1) bool, True for the queries that may see such a row (None when there is none).
+    known: (B, Hkv) bool, the heads that hold such a row, or False for none, when the caller knows (a decoding
+    cache): then no row is read where that decides. Padded keys (hidden from every query) are zeroed with them
+    where their logits could overflow (eager CPU) or always (elsewhere: the same masked copy, no extra pass)."""
+    Hq, D = q.shape[1], q.shape[-1]
+    if known is False:
+        return k, v, None
+    if known is not None and not mask.kinds:
+        return k, v, known[:, :, None, None]
+    keys = mask.keys
+    if _asks(k):
+        kmin, kmax = torch.aminmax(k.detach())
+        qmin, qmax = torch.aminmax(q.detach())
+        stats = torch.stack([kmin, kmax, qmin, qmax]).double().abs()
+        vsum = float(v.detach().sum())
+        kabs, qabs = float(stats[:2].max()), float(stats[2:].max())
+        if math.isfinite(kabs) and math.isfinite(vsum) and (
+                keys is None or kabs * qabs * D * abs(scale) < _LOGIT_ROOM):
+            return k, v, None  # the common case: one reduction per tensor, no copy
+    bad = ~(_finite_rows(k) & _finite_rows(v))  # (B, Hkv, S)
+    if not mask.kinds:
+        # Every query sees every key: each query of a head with a non-finite row is nan. Without this a key whose
+        # logit is -inf would drop out of the softmax and leave the output finite.
+        if _asks(k) and not bool(bad.any()):
+            return k, v, None
+        return k, v, bad.any(-1)[:, :, None, None]
+    row = bad[..., None]  # (B, Hkv, S, 1)
+    seen, _ = visible_sum_and_count(row.to(v.dtype), mask, Hq)  # a padded row is never visible: not counted
+    if keys is not None:
+        row = row | ~keys.reshape(keys.shape[0], 1, -1, 1)
+    return k.masked_fill(row, 0), v.masked_fill(row, 0), seen > 0.5
+
+
+def poison(out: Tensor, seen: Tensor | None, q: Tensor, alpha: Tensor | None) -> Tensor:
+    """out: (B, Hq, T, D); seen from `isolate`; q: (B, Hq, T, D); alpha: (B, Hq, T) or None -> out with nan in
+    every query that saw a non-finite key or value, or whose q row or alpha is non-finite, in one masked pass.
+    Fast kernels otherwise return a finite row there (their running max skips a nan logit, and -inf logits read as
+    "sees no key" give 0); the rule is one for every backend."""
+    if seen is None and _asks(q) and math.isfinite(float(q.detach().sum() + (0 if alpha is None
+                                                                              else alpha.detach().sum()))):
+        return out  # the common case: one reduction per tensor, no pass over the output
+    B, Hq, T, D = out.shape
+    hit = ~_finite_rows(q)  # (B, Hq, T)
+    if alpha is not None:
+        hit = hit | ~torch.isfinite(alpha.detach())
+    if seen is not None:
+        G = Hq // seen.shape[1]
+        hit = hit | seen[:, :, None, :, 0].expand(B, Hq // G, G, seen.shape[2]).reshape(B, Hq, seen.shape[2])
+    return out.masked_fill(hit[..., None], float("nan"))
