@@ -1,6 +1,9 @@
 """Affine-Scaled Attention for PyTorch and Hugging Face transformers."""
 from __future__ import annotations
 
+# The one place the version is written: pyproject.toml reads it (setuptools `dynamic`), the CLI prints it.
+__version__ = "0.1.0"
+
 
 def __getattr__(name: str):
     # Lazy, so `import affine_attention` never imports transformers itself.

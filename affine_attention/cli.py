@@ -129,12 +129,9 @@ examples (one per command; `affine-attention COMMAND --help` for its options):
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from . import __version__
 
-    try:
-        return version("affine-attention")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown (not installed)"
+    return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:

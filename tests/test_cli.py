@@ -32,6 +32,15 @@ def test_overview_has_one_example_per_command_and_a_version(capsys):
     assert capsys.readouterr().out.strip() == f"affine-attention {version('affine-attention')}"
 
 
+def test_the_package_says_its_version_and_it_is_the_installed_one():
+    """Issue 44: `affine_attention.__version__` did not exist; pyproject reads it, so the two cannot drift."""
+    import affine_attention
+    from importlib.metadata import version
+
+    assert affine_attention.__version__ == version("affine-attention")
+    assert cli._version() == affine_attention.__version__
+
+
 def test_the_installed_command_answers_help_and_version():
     out = subprocess.run([sys.executable, "-m", "affine_attention.cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("affine-attention ")
