@@ -235,8 +235,13 @@ class TeacherCache:
             os.fsync(f.fileno())
 
     def teacher_meta(self) -> dict[str, Any] | None:
+        """teacher.json ({"vocab_sha256", "vocab_size", "logits_dim"}), None before the first run wrote it."""
         path = self.dir / "teacher.json"
-        return json.loads(path.read_text()) if path.is_file() else None
+        if not path.is_file():
+            return None
+        fix = f"delete {path} (it is written again from the teacher's tokenizer and config)"
+        return require_keys(read_json(path, fix), str(path), {"vocab_sha256": str, "vocab_size": int,
+                                                              "logits_dim": int}, fix)
 
     def set_teacher_meta(self, meta: dict[str, Any]) -> None:
         atomic_write_bytes(self.dir / "teacher.json", json.dumps(meta, indent=2, sort_keys=True).encode())
