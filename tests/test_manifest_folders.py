@@ -198,6 +198,28 @@ def test_a_preparation_continued_after_its_source_changed_is_refused_naming_the_
     assert (tmp_path / "p" / "manifest.json").read_text() == manifest  # nothing changed
 
 
+def test_a_stream_position_and_a_token_cache_are_keyed_on_what_their_tokens_come_from(tmp_path, monkeypatch):
+    """A hub stream's resume position (datasets' json builder over local files) is refused after its file changed;
+    a token cache is rebuilt when the way documents become tokens changes (data.TOKENS_FORMAT)."""
+    from affine_attention.train import data
+    from affine_attention.train.config import SourceConfig
+    from affine_attention.train.pretrained import load_tokenizer
+
+    tok = load_tokenizer("default")
+    docs = write_jsonl(tmp_path / "docs.jsonl", ["Some words of a document. " * 4] * 3)
+    src = SourceConfig(kind="hub", name="json", paths=[str(docs)])
+    stream = data.PackedStream(src, tok, 8, tok.eos_token_id)
+    stream.take(2)
+    position = stream.state_dict()
+    write_jsonl(docs, ["Other words entirely. " * 4] * 3)
+    with pytest.raises(ValueError, match="different data source"):
+        data.PackedStream(src, tok, 8, tok.eos_token_id).load_state_dict(position)
+    files = SourceConfig(kind="files", paths=[str(docs)])
+    _, key = data.token_stream(files, tok, str(tmp_path / "tokens"), tok.eos_token_id)
+    monkeypatch.setattr(data, "TOKENS_FORMAT", data.TOKENS_FORMAT + 1)
+    assert data.token_stream(files, tok, str(tmp_path / "tokens"), tok.eos_token_id)[1] != key
+
+
 # --- compare guards its own folder -----------------------------------------------------------------------------
 def _snapshot(root):
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file() and
