@@ -1,12 +1,14 @@
-"""Files a run writes and later reads back: the one atomic writer, for files other steps trust by their presence
-(result.json, summaries, caches, weights metadata: a kill mid-write leaves the old file or none, never a truncated
-one), the one reader of append-only JSON Lines logs (metrics.jsonl: trainer and analysis alike), and JSON read back
-on resume."""
+"""Files a run writes and later reads back: the one atomic writer (a kill mid-write leaves the old file or none), the
+one reader of append-only JSON Lines logs, JSON read back on resume, and the one rule for folders read through their
+manifest (only what it lists is ever read) and for an --out that must be writable."""
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
+import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,3 +104,79 @@ def read_json(path: str | Path, fix: str) -> Any:
     except UnicodeDecodeError as err:
         why = f"not UTF-8 text at byte {err.start}"
     raise ValueError(f"{path} is damaged (not valid JSON: {why}); {fix}")
+
+
+# --- folders read through their manifest ------------------------------------------------------------------------
+# Every folder the package writes and reads back (step checkpoints, prepared shards, teacher caches, compare folders,
+# exports) lists what it holds in a manifest; readers read only what it lists, and name anything else they find.
+
+def unlisted(folder: str | Path, listed, own=()) -> list[str]:
+    """Relative paths of the files under `folder` that neither `listed` nor `own` (the manifest itself and the
+    folder's fixed files) names; hidden temporaries of an atomic write in progress (`.NAME.*.tmp`) are not counted."""
+    folder, known = Path(folder), set(listed) | set(own)
+    return sorted(rel for p in folder.rglob("*") if p.is_file()
+                  and (rel := p.relative_to(folder).as_posix()) not in known
+                  and not (p.name.startswith(".") and p.name.endswith(".tmp")))
+
+
+def notice_unlisted(folder: str | Path, extra: list[str], manifest: str) -> None:
+    """One line on stderr naming the files of `folder` its manifest does not list (they are never read)."""
+    if extra:
+        print(f"notice: {folder}: ignoring {len(extra)} file(s) its {manifest} does not list (never read): "
+              f"{extra[:5]}{' ...' if len(extra) > 5 else ''}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def listed_view(folder: str | Path, names) -> Iterator[Path]:
+    """A temporary folder holding symbolic links to exactly the files `names` (relative paths) of `folder`: for a
+    reader that reads a whole folder (torch's DCP safetensors reader, transformers' from_pretrained), so it can
+    only see what the manifest lists. Removed on leaving the block (the files themselves are untouched)."""
+    folder = Path(folder).absolute()
+    view = Path(tempfile.mkdtemp(prefix="affine-attention-view-"))
+    try:
+        for rel in names:
+            link = view / rel
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(folder / rel)
+        yield view
+    finally:
+        shutil.rmtree(view, ignore_errors=True)
+
+
+def require_keys(record: Any, where: str, keys: dict[str, type | tuple[type, ...]], fix: str) -> dict[str, Any]:
+    """`record` when it is a JSON object holding every key of `keys` with a value of its type; else a one-line
+    ValueError naming `where`, the key and `fix` (a manifest edited or written by something else)."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} is not a JSON object (got {type(record).__name__}); {fix}")
+    for key, kind in keys.items():
+        if key not in record:
+            raise ValueError(f"{where} has no {key!r} entry; {fix}")
+        value = record[key]
+        if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+            raise ValueError(f"{where}: {key!r} is {value!r}, not a {getattr(kind, '__name__', kind)}; {fix}")
+    return record
+
+
+def check_writable(path: str | Path, option: str = "--out") -> None:
+    """Refuse `path` (a folder to create or write into) when the nearest existing folder at or above it cannot be
+    written: one ValueError naming both, before any work (a read-only mount would otherwise fail mid-way)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option} {path} is an existing file, not a folder; choose another {option}")
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: {existing} is not writable (a read-only filesystem or no permission); "
+                         f"choose a writable {option}")
+
+
+COMPARISON = "comparison.json"  # a compare folder's manifest: train/compare.py writes it, analysis reads through it
+
+
+def read_comparison(folder: str | Path) -> dict[str, Any] | None:
+    """The manifest of compare folder `folder` ({"variants", "seeds", "runs": ["<variant>/seed<k>", ...]}), None
+    when it has none (a folder of an older version)."""
+    path = Path(folder) / COMPARISON
+    if not path.is_file():
+        return None
+    fix = "it was edited or damaged; restore it or compare into a new --out"
+    return require_keys(read_json(path, fix), str(path), {"variants": list, "seeds": int, "runs": list}, fix)

@@ -14,6 +14,7 @@ VERSION_SENSITIVE = frozenset({
     "test_bench_memory.py",
     "test_backends_cuda.py", "test_backends_flex.py", "test_backends_plan.py", "test_ssmax.py",
     "test_cache_integrity.py", "test_checkpoint_dcp.py", "test_cli_checks.py", "test_kd_chunked.py",
+    "test_manifest_folders.py",
     "test_compare_lockstep_resume.py",
     "test_compile.py", "test_compile_ops.py", "test_compiled_key_runs.py", "test_cuda_traceable.py",
     "test_degenerate_inputs.py",

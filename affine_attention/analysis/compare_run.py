@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .._files import log_records
+from .._files import COMPARISON, log_records, notice_unlisted, read_comparison
 from .._numbers import final_window
 from ..variants import REFERENCE as BASELINE
 from ..variants import REGISTRY
@@ -80,25 +81,40 @@ def _read_metrics(run: SeedRun) -> None:
             run.train.append(rec)
 
 
+def _listed_runs(run_dir: Path, summary: dict) -> list[tuple[str, int]]:
+    """(variant, seed) of every run the folder's manifest (comparison.json) lists and that has a log, in run order;
+    other <variant>/seed<k> folders are named, never read. A folder from before manifests: every run found, with a
+    notice that says so."""
+    found = {(p.parent.parent.name, int(p.parent.name[4:])) for p in run_dir.glob("*/seed*/metrics.jsonl")
+             if p.parent.name[4:].isdigit()}
+    manifest = read_comparison(run_dir)
+    if manifest is not None:
+        listed = [(v, k) for k in range(manifest["seeds"]) for v in manifest["variants"]]
+        notice_unlisted(run_dir, [f"{v}/seed{k}" for v, k in sorted(found - set(listed))], COMPARISON)
+        return sorted((vk for vk in listed if vk in found), key=lambda vk: (manifest["variants"].index(vk[0]), vk[1]))
+    if found:
+        print(f"notice: {run_dir} has no {COMPARISON} (a comparison of an older version): reading every "
+              "<variant>/seed<k> it holds", file=sys.stderr, flush=True)
+    order = list(summary.get("variants", {})) or list(summary.get("config", {}).get("compare", {}).get("variants", []))
+    order += [v for v in sorted({v for v, _ in found}) if v not in order]
+    return sorted(found, key=lambda vk: (order.index(vk[0]), vk[1]))
+
+
 def load_run(run_dir: str | Path) -> tuple[dict, dict[str, list[SeedRun]]]:
-    """(summary.json as a dict ({} if absent), variant -> its seed runs in seed order), variants in run order."""
+    """(summary.json as a dict ({} if absent), variant -> its seed runs in seed order), variants in run order; only
+    the runs its manifest lists (`_listed_runs`)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist")
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
-    order = list(summary.get("variants", {})) or list(summary.get("config", {}).get("compare", {}).get("variants", []))
-    found = sorted(p.parent.parent.name for p in run_dir.glob("*/seed*/metrics.jsonl"))
-    order += [v for v in dict.fromkeys(found) if v not in order]
     runs: dict[str, list[SeedRun]] = {}
-    for variant in order:
-        seeds = sorted((int(p.name[4:]), p) for p in (run_dir / variant).glob("seed*")
-                       if p.name[4:].isdigit() and (p / "metrics.jsonl").is_file())
-        for seed, path in seeds:
-            run = SeedRun(variant, seed, path)
-            _read_metrics(run)
-            if (path / "result.json").is_file():
-                run.result = json.loads((path / "result.json").read_text())
-            runs.setdefault(variant, []).append(run)
+    for variant, seed in _listed_runs(run_dir, summary):
+        path = run_dir / variant / f"seed{seed}"
+        run = SeedRun(variant, seed, path)
+        _read_metrics(run)
+        if (path / "result.json").is_file():
+            run.result = json.loads((path / "result.json").read_text())
+        runs.setdefault(variant, []).append(run)
     if not runs:
         raise ValueError(f"{run_dir} holds no <variant>/seed<k>/metrics.jsonl: is it a `compare` run directory?")
     return summary, runs

@@ -5,12 +5,17 @@ train/checkpoint_dcp.py. Each shard records the variant spec in its safetensors 
 do (spec_record.py), and every load compares it with config.json's."""
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from .._files import listed_view, notice_unlisted, read_json, require_keys, unlisted
+
 STATE = "state"  # the folder of DCP's safetensors shards inside a step checkpoint
+MANIFEST = "MANIFEST.json"  # a checkpoint's list of its files (train/checkpoint.py writes and verifies it)
 
 
 def is_sharded(path: str | Path) -> bool:
@@ -34,9 +39,31 @@ def distinct(sd: dict[str, torch.Tensor]) -> dict[str, str]:
     return aliases
 
 
+def listed_files(path: str | Path) -> list[str]:
+    """The relative paths a checkpoint's MANIFEST.json lists: the only files any reader of it reads."""
+    where = Path(path) / MANIFEST
+    fix = "its save did not finish or it was edited; use another checkpoint (resume picks the newest intact one)"
+    if not where.is_file():
+        raise ValueError(f"{path} has no {MANIFEST}, so what it holds is unknown; {fix}")
+    return sorted(require_keys(read_json(where, fix), str(where), {"files": dict}, fix)["files"])
+
+
 def shard_files(path: str | Path) -> list[Path]:
-    """The safetensors shards of a step checkpoint's state/ folder (model and optimizer tensors)."""
-    return sorted((Path(path) / STATE).glob("*.safetensors"))
+    """The safetensors shards of a step checkpoint's state/ folder (model and optimizer tensors) that its manifest
+    lists."""
+    return [Path(path) / r for r in listed_files(path) if r.startswith(f"{STATE}/") and r.endswith(".safetensors")]
+
+
+@contextlib.contextmanager
+def checkpoint_view(path: str | Path, announce: bool = True) -> Iterator[Path]:
+    """The checkpoint `path` as a folder holding only the files its manifest lists (`_files.listed_view`), for
+    readers that read a whole folder: DCP's reader would otherwise load any *.safetensors in state/ (a shard copied
+    in from another step), transformers any tokenizer file. `announce`: name the unlisted files on stderr."""
+    listed = listed_files(path)
+    if announce:
+        notice_unlisted(path, unlisted(path, listed, own=(MANIFEST,)), MANIFEST)
+    with listed_view(path, listed) as view:
+        yield view
 
 
 def stamp_spec(files: list[Path], config) -> None:
@@ -57,8 +84,8 @@ def check_spec(path: str | Path, config) -> None:
 
 
 def reader_for(path: Path):
-    """DCP's safetensors reader of the shards in `path`, counting the bytes this rank reads (resume memory is ~
-    that)."""
+    """DCP's safetensors reader of the shards in `path` (the state/ folder of a `checkpoint_view`: it reads every
+    shard there), counting the bytes this rank reads (resume memory is ~ that)."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     class Counting(HuggingFaceStorageReader):
@@ -115,6 +142,16 @@ def write_pretrained(path: str | Path, out: str | Path, max_shard_bytes: int = M
     weights come from a copy on the meta device, its tensors from the shards, one output file at a time (peak memory
     ~ max_shard_bytes + the largest tensor: the file's tensors and the shard pages of the one being read). Returns
     the weights files written. Single process; `out` exists (the caller commits it atomically)."""
+    from .registration import register
+
+    register()
+    path, out = Path(path), Path(out)
+    with checkpoint_view(path) as view:
+        return _write_pretrained(view, path, out, max_shard_bytes)
+
+
+def _write_pretrained(view: Path, path: Path, out: Path, max_shard_bytes: int) -> list[str]:
+    """write_pretrained reading the listed files of checkpoint `path` through `view`."""
     import json
 
     import torch.distributed.checkpoint as dcp
@@ -124,11 +161,8 @@ def write_pretrained(path: str | Path, out: str | Path, max_shard_bytes: int = M
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     from . import layers, models, spec_record
-    from .registration import register
 
-    register()
-    path, out = Path(path), Path(out)
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(view)
     check_spec(path, config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -140,7 +174,7 @@ def write_pretrained(path: str | Path, out: str | Path, max_shard_bytes: int = M
              [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
     converted = isinstance(model, models.AffineModelMixin)  # what save_pretrained adds for a converted model
     metadata = {"format": "pt", **(spec_record.spec_metadata(layers.spec_from_config(config)) if converted else {})}
-    reader = reader_for(path / STATE)
+    reader = reader_for(view / STATE)
     written: dict[str, str] = {}
     shapes: dict[str, tuple] = {}
     total = 0
@@ -175,21 +209,30 @@ def write_pretrained(path: str | Path, out: str | Path, max_shard_bytes: int = M
 def load_sharded_model(path: str | Path, dtype: torch.dtype | None = None):
     """The causal LM of sharded step checkpoint `path` on the CPU, in float32 (or `dtype`), built from its
     config.json and filled with the model's tensors only (the optimizer's stay on disk). Single process."""
-    import torch.distributed.checkpoint as dcp
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from .registration import register
 
     register()  # the converted architectures, so that AutoConfig reads their configs
     path = Path(path)
-    config = AutoConfig.from_pretrained(path)
-    check_spec(path, config)
+    with checkpoint_view(path) as view:
+        config = AutoConfig.from_pretrained(view)
+        check_spec(path, config)
+        model = _filled(config, view)
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()
+
+
+def _filled(config, view: Path):
+    """The float32 causal LM of `config` with the model tensors of the checkpoint seen through `view`."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
     # Built for real, not on meta + to_empty: non-persistent buffers (RoPE's inv_freq, constant sinks) are in no
     # checkpoint and must come from the constructors.
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     sd = model.state_dict()
     distinct(sd)
-    dcp.load({"model": sd}, storage_reader=reader_for(path / STATE), no_dist=True)  # into the model's storage
-    if dtype is not None:
-        model.to(dtype)
-    return model.eval()
+    dcp.load({"model": sd}, storage_reader=reader_for(view / STATE), no_dist=True)  # into the model's storage
+    return model

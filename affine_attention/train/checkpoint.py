@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-MANIFEST = "MANIFEST.json"
+from .._files import unlisted as _unlisted
+from ..hf.sharded import MANIFEST
 # 1: a full folder written by rank 0 (this module); 2: sharded, every rank writes its part (checkpoint_dcp.py);
 # 3 (EXPORT): final/, the model alone as a transformers folder (export.write_final): loaded, never resumed.
 EXPORT = 3
@@ -187,9 +188,7 @@ def verify(path: Path) -> str | None:
 def unlisted(path: Path) -> list[str]:
     """Files in a checkpoint folder that its manifest does not list (never loaded)."""
     manifest, _ = _manifest(path)
-    listed = set(manifest["files"]) if manifest else set()
-    return sorted(str(p.relative_to(path)) for p in Path(path).rglob("*")
-                  if p.is_file() and p.name != MANIFEST and str(p.relative_to(path)) not in listed)
+    return _unlisted(path, manifest["files"] if manifest else (), own=(MANIFEST,))
 
 
 def candidates(run_dir: Path, exports: bool = False) -> list[tuple[int, Path]]:

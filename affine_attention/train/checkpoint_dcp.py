@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..hf.sharded import STATE, check_spec, distinct, reader_for, stamp_spec
+from ..hf.sharded import STATE, check_spec, checkpoint_view, distinct, reader_for, stamp_spec
 from ..hf.spec_record import check_weights_spec, weights_files
 from . import checkpoint as ckpt
 from .distributed import DistInfo, barrier, load_full_state
@@ -195,15 +195,25 @@ def restore(path: Path, model, optimizer, info: DistInfo, tied: bool, config=Non
             if isinstance(t, torch.Tensor))
         read = {"bytes_per_rank": [size] * info.world, "bytes_total": size}
         return {"trainer_state": state["trainer_state"], "rng": state["rng"], "read": read}
+    for rel in ("optimizer.json", "rng.safetensors", "trainer_state.json"):
+        if rel not in manifest["files"]:
+            raise ValueError(f"checkpoint {path}: its {ckpt.MANIFEST} does not list {rel}; resume from another "
+                             "checkpoint")
+    with checkpoint_view(path, announce=False) as view:  # newest_intact named what the manifest does not list
+        return _restore_sharded(view, model, optimizer, info)
+
+
+def _restore_sharded(view: Path, model, optimizer, info: DistInfo) -> dict[str, Any]:
+    """restore() of a sharded checkpoint, read through `view` (its listed files only)."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state, _, aliases = sharded_state(model, optimizer)
-    reader = reader_for(path / STATE)
+    reader = reader_for(view / STATE)
     torch.distributed.checkpoint.load(state, storage_reader=reader, no_dist=not info.enabled)
     state["model"].update({name: state["model"][kept] for name, kept in aliases.items()})
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict={**state["optim"], "param_groups": load_groups(path)})
-    return {"trainer_state": json.loads((path / "trainer_state.json").read_text()),
-            "rng": load_file(str(path / "rng.safetensors")),
+                   optim_state_dict={**state["optim"], "param_groups": load_groups(view)})
+    return {"trainer_state": json.loads((view / "trainer_state.json").read_text()),
+            "rng": load_file(str(view / "rng.safetensors")),
             "read": {"bytes_per_rank": _gather(reader.bytes_read, info), "bytes_total": reader.bytes_total}}

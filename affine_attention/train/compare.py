@@ -6,8 +6,11 @@ Output layout (run_dir):
   summary.json, summary.md       per variant: parameter overhead, final train loss, held-out loss and
                                  perplexity, tokens/s, wall time (mean and sample std over seeds)
   config.json                    the resolved config
+  comparison.json                the manifest: variants, seeds and the runs it holds (readers read only those)
+  .lock                          held by the comparing process (run_dir.RunLock), as a run's folder
   <variant>/seed<k>/metrics.jsonl, result.json, final/   each run (see run_dir.py); final/ is transformers-loadable
-A report can be regenerated later from these files alone.
+A report can be regenerated later from these files alone. Every check of the folder runs before the first write:
+a used folder without --resume, or a different comparison (variants, seeds, config) with it, is refused unchanged.
 
 With a live KD teacher (compare.share_teacher), a seed's variants see the same batches, so they are stepped in
 lockstep in this process and share one teacher forward per micro-batch (kd.Teacher.share) instead of running the
@@ -21,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from .._environment import hardware, versions
-from .._files import atomic_write_json, atomic_write_text
+from .._files import COMPARISON, atomic_write_json, atomic_write_text, read_comparison, read_json
 from .._numbers import FINAL_LOSS_WINDOW, mean_std
 from ..variants import REFERENCE
 from .config import CompareConfig, RunConfig, config_json, field_range
-from .run_dir import read_result
+from .run_dir import RunLock, check_out_dir, check_resume_config, read_result
 
 METRICS = [("final_train_loss", "final train loss", "{:.4f}"), ("heldout_loss", "held-out loss", "{:.4f}"),
            ("heldout_ppl", "held-out ppl", "{:.2f}"), ("tokens_per_s", "tokens/s", "{:,.0f}"),
@@ -120,23 +123,76 @@ def lockstep(cfg: RunConfig, runs: list[tuple[str, Path, bool]], *, base_model, 
             t.close()
 
 
+def comparison(cfg: RunConfig, seeds: int) -> dict[str, Any]:
+    """The manifest of a compare folder: its variants, seeds and runs (<variant>/seed<k>), in run order."""
+    variants = list(cfg.compare.variants)
+    return {"format": 1, "variants": variants, "seeds": seeds,
+            "runs": [f"{v}/seed{k}" for k in range(seeds) for v in variants]}
+
+
+def check_compare_dir(out_dir: Path, cfg: RunConfig, seeds: int, resume: bool) -> None:
+    """Every check of a comparison's folder, before anything is written into it: a writable --out; without
+    --resume, a folder holding no comparison; with it, the same comparison (variants, seeds, config)."""
+    check_out_dir(out_dir, resume)
+    if not out_dir.is_dir():
+        return
+    if not resume:
+        held = [n for n in ("config.json", "summary.json", COMPARISON) if (out_dir / n).exists()]
+        held += sorted({p.parent.name for p in out_dir.glob("*/seed*")})
+        if held:
+            raise ValueError(f"{out_dir} already holds a comparison ({', '.join(held[:6])}); pass --resume to "
+                             "continue it or choose another --out (nothing was changed)")
+        return
+    saved = read_comparison(out_dir)
+    want = comparison(cfg, seeds)
+    if saved is not None:
+        diff = [f"{k}: folder {saved.get(k)!r}, now {want[k]!r}" for k in ("variants", "seeds") if saved.get(k) != want[k]]
+        if diff:
+            raise ValueError(f"--resume {out_dir}: a different comparison ({'; '.join(diff)}); resume with the "
+                             "comparison's own variants and --seeds, or compare into another --out (nothing was "
+                             "changed)")
+    if (out_dir / "config.json").is_file():
+        check_resume_config(read_json(out_dir / "config.json", "restore it or compare into a new --out"), cfg,
+                            where="comparison")
+
+
 def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, resume: bool = False,
             log=print) -> dict[str, Any]:
     """Train every variant for every seed (`seeds`, default compare.seeds) into out_dir and write summary.json /
     summary.md (see module doc)."""
     from .distributed import setup
-    from .loop import train
-    from .model import base_model, tokenizer_spec, variant_options
-    from .pretrained import load_tokenizer
 
     out_dir = Path(out_dir)
     if seeds is None:
         seeds = cfg.compare.seeds
     field_range(CompareConfig, "seeds").check("--seeds", seeds)  # the range compare.seeds declares
+    # Every rank, before rank 0 writes: setup's rendezvous waits for every rank, so none checks after the writes.
+    check_compare_dir(out_dir, cfg, seeds, resume)
     info = setup(cfg.train.device)
+    lock = None
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(config_json(cfg))
+        lock = RunLock(out_dir)
+        try:
+            check_compare_dir(out_dir, cfg, seeds, resume)  # again, now that no other compare can write meanwhile
+            atomic_write_json(out_dir / COMPARISON, comparison(cfg, seeds))
+            atomic_write_text(out_dir / "config.json", config_json(cfg))
+        except BaseException:
+            lock.release()
+            raise
+    try:
+        return _compare(cfg, out_dir, seeds, resume, info, log)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _compare(cfg: RunConfig, out_dir: Path, seeds: int, resume: bool, info, log) -> dict[str, Any]:
+    """compare() once its folder is checked, held and its manifest written."""
+    from .loop import train
+    from .model import base_model, tokenizer_spec, variant_options
+    from .pretrained import load_tokenizer
+
     tok = load_tokenizer(tokenizer_spec(cfg))
     t0 = time.time()
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in cfg.compare.variants}

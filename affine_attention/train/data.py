@@ -39,6 +39,9 @@ from .prefetch import Prefetcher
 from .pretrained import tokenizer_fingerprint
 
 TOKENIZE_BATCH = 32  # documents per tokenizer call
+# The version of how documents become tokens (tokenize_documents), in every key of tokenised data: bump it when
+# that changes, and caches made the old way are rebuilt instead of read.
+TOKENS_FORMAT = 2
 
 
 # --- documents -------------------------------------------------------------------------------------------------
@@ -73,6 +76,42 @@ def source_identity(src: SourceConfig) -> dict[str, Any]:
             "paths": list(src.paths), "text_field": src.text_field}
 
 
+def source_content(src: SourceConfig) -> dict[str, Any]:
+    """What a source's documents are read from, beyond its settings (for what is resumed or kept across runs: a
+    prepared folder, a stream position): every local file its paths match, in order, with its size and sha256 (a
+    glob that matches one more file changes the list), or the packaged corpus's text. A hub dataset read by name
+    has only its revision (pin data.<source>.revision to make it fixed): its content cannot be read ahead."""
+    from ..text import corpus_texts
+    from ..text.read import expand
+    from .shards import file_sha256
+
+    if src.kind == "corpus":
+        h = hashlib.sha256()
+        for text in corpus_texts(src.split):
+            h.update(hashlib.sha256(text.encode()).digest())
+        return {"corpus_sha256": h.hexdigest()}
+    try:
+        files = expand(src.paths) if src.paths else []
+    except ValueError:
+        if src.kind == "files":
+            raise
+        files = []  # a hub builder's remote data files
+    if not files:
+        return {"revision": src.revision}
+    return {"files": [[str(p), p.stat().st_size, file_sha256(p)] for p in files]}
+
+
+def content_change(old: dict[str, Any] | None, new: dict[str, Any]) -> str:
+    """What differs between two `source_content` records, in words (files added, removed or edited)."""
+    if not old or "files" not in old or "files" not in new:
+        return f"{old} then, {new} now"
+    before, now = {f[0]: f[1:] for f in old["files"]}, {f[0]: f[1:] for f in new["files"]}
+    parts = [f"{what}: {names[:3]}" for what, names in (
+        ("added", [n for n in now if n not in before]), ("removed", [n for n in before if n not in now]),
+        ("edited", [n for n in now if n in before and now[n] != before[n]])) if names]
+    return "; ".join(parts) or "the files' order changed"
+
+
 # --- in-memory sources -----------------------------------------------------------------------------------------
 
 def token_stream(src: SourceConfig, tok, cache_dir: str, sep: int) -> tuple[np.ndarray, str]:
@@ -81,7 +120,7 @@ def token_stream(src: SourceConfig, tok, cache_dir: str, sep: int) -> tuple[np.n
     docs = list(documents(src))
     if not docs:
         raise ValueError(f"data source {source_identity(src)} has no documents")
-    h = hashlib.sha256(f"{tokenizer_fingerprint(tok)}:{sep}".encode())
+    h = hashlib.sha256(f"{TOKENS_FORMAT}:{tokenizer_fingerprint(tok)}:{sep}".encode())
     for d in docs:
         h.update(hashlib.sha256(d.encode()).digest())
     key = h.hexdigest()
@@ -135,12 +174,14 @@ class PackedStream:
 
     def __init__(self, src: SourceConfig, tok, seq_len: int, sep: int):
         self.src, self.tok, self.T, self.sep = src, tok, seq_len, sep
+        self.content = source_content(src)  # in the position's key: a resume never continues in other data
         self.split_by_rank(0, 1)
 
     def split_by_rank(self, rank: int, world: int) -> None:
         """Read only the documents of `rank` out of `world` ranks, from the start of the stream."""
         self.rank, self.world = rank, world
-        ident = {"src": source_identity(self.src), "tok": tokenizer_fingerprint(self.tok), "sep": self.sep}
+        ident = {"src": source_identity(self.src), "tok": tokenizer_fingerprint(self.tok), "sep": self.sep,
+                 "content": self.content}
         if world > 1:  # the ids and sequences depend on the number of ranks
             ident["world"] = world
         self.key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()

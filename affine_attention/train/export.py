@@ -1,14 +1,14 @@
 """`affine-attention export`: one checkpoint of a run (a sharded step checkpoint or final/) as a transformers-loadable
-folder (model safetensors with the variant, config, tokenizer), written atomically into a new folder; and a run's
-final/, the same export of its last step checkpoint with a manifest (format EXPORT)."""
+folder (model safetensors with the variant, config, tokenizer) with a manifest (format EXPORT), written atomically
+into a new folder; and a run's final/, the same export of its last step checkpoint. Only files a manifest lists are
+read."""
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
-
-from ..hf.sharded import MAX_SHARD_BYTES, write_pretrained
+from .._files import check_writable, notice_unlisted
+from ..hf.sharded import MAX_SHARD_BYTES, checkpoint_view, write_pretrained
 from . import checkpoint as ckpt
 
 # The training state of a full checkpoint that a transformers folder does not carry.
@@ -44,18 +44,21 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None,
     run_dir, out = Path(run_dir), Path(out)
     if out.exists():
         raise ValueError(f"export: --out {out} exists; choose a new folder (nothing is overwritten)")
+    check_writable(out)
     path = pick(run_dir, step)
-    fmt = ckpt._manifest(path)[0]["format"]
+    manifest = ckpt._manifest(path)[0]
     tmp = ckpt.temporary(out)
     tmp.mkdir(parents=True)
     try:
-        if fmt in (1, ckpt.EXPORT):  # already a transformers folder: everything but the training state
-            for f in path.iterdir():
-                if f.is_file() and f.name not in _TRAINING_FILES:
-                    shutil.copy2(f, tmp / f.name)
+        if manifest["format"] in (1, ckpt.EXPORT):  # a transformers folder: the listed files but the training state
+            notice_unlisted(path, ckpt.unlisted(path), ckpt.MANIFEST)
+            for rel in manifest["files"]:
+                if "/" not in rel and rel not in _TRAINING_FILES:
+                    shutil.copy2(path / rel, tmp / rel)
         else:
             _write_sharded(path, tmp, max_shard_bytes)
-        os.replace(tmp, out)
+        # Its own manifest, as final/'s: the list of what the folder holds, for every reader that checks one
+        ckpt.commit(tmp, out, {"format": ckpt.EXPORT, "step": manifest["step"]}, ckpt.file_table(tmp))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -67,7 +70,8 @@ def _write_sharded(path: Path, tmp: Path, max_shard_bytes: int = MAX_SHARD_BYTES
     from transformers import AutoTokenizer
 
     write_pretrained(path, tmp, max_shard_bytes)
-    AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
+    with checkpoint_view(path, announce=False) as view:  # write_pretrained named what the manifest does not list
+        AutoTokenizer.from_pretrained(view).save_pretrained(tmp)
 
 
 def write_final(step_path: Path, target: Path) -> None:

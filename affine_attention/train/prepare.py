@@ -13,12 +13,16 @@ from typing import Any
 import numpy as np
 
 from .config import RunConfig
-from .data import documents, separator_id, source_identity, tokenize_documents
+from .._files import check_writable
+from .data import (TOKENS_FORMAT, content_change, documents, separator_id, source_content, source_identity,
+                   tokenize_documents)
 from .shards import FORMAT, check_checksum, read_manifest, token_dtype, write_manifest, write_shard
 
 CHUNK_DOCUMENTS = 256  # documents per worker task: large enough to amortise pickling, small enough to balance
 PROGRESS_EVERY_S = 5.0
-IDENTITY = ("format", "tokenizer_fingerprint", "separator_id", "source", "dtype", "shard_documents")
+# What determines a preparation's shards; a folder prepared with any of them different is refused, naming it.
+IDENTITY = ("format", "tokens_format", "tokenizer_fingerprint", "separator_id", "source", "content", "dtype",
+            "shard_documents")
 
 _worker: dict[str, Any] = {}  # the tokenizer of this worker process (loaded once per process by _init)
 
@@ -128,10 +132,11 @@ def _kept_shards(out: Path, identity: dict[str, Any], log) -> tuple[list[dict[st
     if not (out / "manifest.json").is_file():
         return [], False
     old = read_manifest(out)
-    changed = [k for k in IDENTITY if old.get(k) != identity[k]]
+    changed = [k if k != "content" else f"the source's files ({content_change(old.get(k), identity[k])})"
+               for k in IDENTITY if old.get(k) != identity[k]]
     if changed:
-        raise ValueError(f"{out} holds data prepared with other settings ({', '.join(changed)} differ); use another "
-                         "--out or delete that folder")
+        raise ValueError(f"{out} holds data prepared with other settings or data ({', '.join(changed)} differ); use "
+                         "another --out or delete that folder")
     kept = []
     for k, shard in enumerate(old["shards"]):
         try:
@@ -160,13 +165,13 @@ def prepare(cfg: RunConfig, out: str | Path, *, which: str = "train", workers: i
     if not str(out).strip():
         raise ValueError("--out is empty; name the folder for the shards and manifest.json")
     out = Path(out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is an existing file, not a folder; choose another --out")
+    check_writable(out)
     spec = tokenizer_spec(cfg)
     tok = load_tokenizer(spec)
     sep, dtype = separator_id(tok, cfg.data.separator), token_dtype(len(tok))
-    identity = {"format": FORMAT, "tokenizer_fingerprint": tokenizer_fingerprint(tok), "separator_id": sep,
-                "source": source_identity(src), "dtype": dtype.name, "shard_documents": shard_documents}
+    identity = {"format": FORMAT, "tokens_format": TOKENS_FORMAT, "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+                "separator_id": sep, "source": source_identity(src), "content": source_content(src),
+                "dtype": dtype.name, "shard_documents": shard_documents}
     manifest = {**identity, "tokenizer": spec, "separator": cfg.data.separator or tok.eos_token,
                 "vocab": len(tok), "complete": False, "shards": []}
     out.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .._files import read_json
+from .._files import check_writable, read_json
 from .._numbers import final_window
 from .config import RunConfig
 from .metrics import read_log
@@ -101,10 +101,7 @@ def check_out_dir(out_dir: Path, resume: bool) -> None:
         raise ValueError(f"--out {out_dir} is an existing file, not a run folder; choose another --out")
     if resume and not out_dir.is_dir():
         raise ValueError(f"--resume: the run folder {out_dir} does not exist; pass the --out of the run to continue")
-    existing = next(p for p in (out_dir, *out_dir.absolute().parents) if p.exists())
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out_dir}: {existing} is not writable (a read-only filesystem or no permission); "
-                         "choose a writable --out")
+    check_writable(out_dir)
 
 
 def check_no_run(out_dir: Path) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._files import atomic_write_bytes, atomic_write_json, read_json
+from .._files import atomic_write_bytes, atomic_write_json, notice_unlisted, read_json, require_keys, unlisted
 from .packed import PackedArray
 from .pretrained import tokenizer_fingerprint
 
@@ -92,11 +92,25 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"{folder} holds no prepared data ({MANIFEST} missing); prepare it with "
                          f"`affine-attention prepare-data --config <config> --out {folder}`")
-    manifest = read_json(path, rebuild_hint(folder))
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {manifest.get('format')!r}, this version reads {FORMAT}; "
-                         f"{rebuild_hint(folder)}")
+    fix = rebuild_hint(folder)
+    manifest = require_keys(read_json(path, fix), str(path), {"format": int}, fix)
+    if manifest["format"] != FORMAT:
+        raise ValueError(f"{path}: format {manifest['format']!r}, this version reads {FORMAT}; {fix}")
+    require_keys(manifest, str(path), {"tokenizer": str, "tokenizer_fingerprint": str, "separator_id": int,
+                                       "dtype": str, "complete": bool, "shards": list}, fix)
+    for k, shard in enumerate(manifest["shards"]):
+        where = f"{path}: shard {k}"
+        require_keys(shard, where, {"tokens": int, "documents": int, "file": dict, "index": dict}, fix)
+        for part in ("file", "index"):
+            meta = require_keys(shard[part], f"{where} {part!r}", {"name": str, "bytes": int, "sha256": str}, fix)
+            if Path(meta["name"]).name != meta["name"] or meta["name"] in ("", ".", ".."):
+                raise ValueError(f"{where} names {meta['name']!r}, not a file of the folder; {fix}")
     return manifest
+
+
+def listed_names(manifest: dict[str, Any]) -> list[str]:
+    """The shard files a prepared folder's manifest lists: the only files read from it."""
+    return [s[part]["name"] for s in manifest["shards"] for part in ("file", "index")]
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
@@ -132,6 +146,7 @@ class TokenSource(PackedArray):
         if m["separator_id"] != sep:
             raise ValueError(f"{folder / MANIFEST}: prepared with separator id {m['separator_id']}, the run uses {sep} "
                              "(data.separator); set it as prepared or prepare again into a new folder")
+        notice_unlisted(folder, unlisted(folder, listed_names(m), own=(MANIFEST,)), MANIFEST)
         self.maps = [self._open(s) for s in m["shards"]]
         sizes = np.asarray([len(x) for x in self.maps], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(sizes)])  # (shards + 1,) stream offset of each shard
