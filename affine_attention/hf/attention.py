@@ -23,7 +23,7 @@ from ..ops.call import AttentionCall, make_score
 from ..ops.masks import KeyRuns, Varlen, parse_mask, read_key_runs
 from . import cache as value_cache
 from . import packing
-from .families import HONOURED_KWARGS, INERT_KWARGS, REQUIRED_VALUES, family_of_config
+from .families import HONOURED_KWARGS, INERT_KWARGS, REQUIRED_VALUES, family_of_config, masked_window
 
 ATTN_IMPLEMENTATION = "affine_attention"
 # Keyword arguments the attention module's pre-hook adds; transformers forwards them to `attention_forward`.
@@ -31,8 +31,8 @@ X_KWARG = "affine_attention_x"
 CACHE_KWARG = "affine_attention_cache"
 TRUSTED_KWARG = "affine_attention_cache_trusted"
 KV_TRUSTED_KWARG = "affine_attention_cache_kv_trusted"
-# The attention module's attribute holding the sliding window its decoder masks but does not pass on
-# (Family.mask_window), set by `convert`.
+# The attention module's attribute holding where the sliding window its decoder masks but does not pass on comes from
+# (Family.mask_window), set by `convert`; the window itself is read from the config on every call.
 LAYER_WINDOW_ATTR = "affine_attention_window"
 # Every keyword `attention_forward` reads or may ignore; any other is refused (see `_check_kwargs`).
 _KNOWN_KWARGS = frozenset(HONOURED_KWARGS) | frozenset(INERT_KWARGS) | {
@@ -212,10 +212,12 @@ def _check_kwargs(module: nn.Module, kwargs: dict[str, Any], packed: bool) -> No
 
 def _window(module: nn.Module, sliding_window: int | None) -> int | None:
     """The layer's sliding window: the one its attention passes, or (a family whose attention does not pass it,
-    Family.mask_window) the one its decoder's mask applies, which is all transformers' eager attention reads."""
-    masked = getattr(module, LAYER_WINDOW_ATTR, None)
-    if masked is None:
+    Family.mask_window) the one its decoder's mask applies, which is all transformers' eager attention reads: read
+    from the config now, as the decoder's mask is, never a copy taken at conversion."""
+    rule = getattr(module, LAYER_WINDOW_ATTR, None)
+    if rule is None:
         return sliding_window
+    masked = masked_window(rule, module.config, module.layer_idx)
     if sliding_window is not None and sliding_window != masked:
         raise ValueError(f"the {_family_name(module)} attention (layer {module.layer_idx}) passes sliding_window="
                          f"{sliding_window}, but its decoder masks a window of {masked}; the family table's "
