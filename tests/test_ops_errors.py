@@ -52,7 +52,8 @@ def test_a_parsed_mask_of_another_batch_head_count_or_device_is_named():
          rf"parsed for B = {B + 1} \(its keys: \({B + 1}, 1, 1, {T}\)\), but q has B = {B}"),
         (parse_mask(None, True, B + 1, H, T, T, q.device, document_ids=docs),
          rf"parsed for B = {B + 1} \(its documents"),
-        (parse_mask(dense, False, B, H - 1, T, T, q.device), rf"parsed for Hq = {H - 1} \(its dense.*but q has Hq = {H}"),
+        (parse_mask(dense, False, B, H - 1, T, T, q.device),
+         rf"parsed for Hq = {H - 1} \(its dense.*but q has Hq = {H}"),
         (parse_mask(keys[:B].to("meta"), True, B, H, T, T, torch.device("meta")),
          r"parsed on meta \(its keys\), but q is on cpu"),
     ]
