@@ -7,7 +7,7 @@ fast paths; only sliding windows, packed sequences, static caches and custom pat
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -73,18 +73,40 @@ def capture_attention_input(module: nn.Module, args: tuple, kwargs: dict[str, An
     return args, kwargs
 
 
-class KeyPadding(NamedTuple):
+class KeyPadding(Tensor):
     """What the registered mask function returns for a padded batch: key padding under the causal rule.
 
-    keys: (B, 1, 1, S) bool, True on real keys. A type of its own rather than the bare tensor: a (B, 1, 1, S) bool
-    tensor that reaches the attention function is a user's own mask, which transformers' SDPA reads without the
-    causal rule (each query sees every unmasked key); only the type tells the two apart, also in a traced graph.
-    It rides in `attention_mask`, the argument every decoder layer forwards by name.
+    A (B, 1, 1, S) bool tensor of a type of its own. A tensor, because transformers reads back what its mask function
+    returned (generate builds the masks of a static cache ahead and hands them to the model, whose own mask code then
+    asks `.ndim` and `.shape`); a type of its own, because a (B, 1, 1, S) bool tensor that reaches the attention
+    function is otherwise a user's own mask, which transformers' SDPA reads without the causal rule (each query sees
+    every unmasked key): only the type tells the two apart, also in a traced graph. It rides in `attention_mask`, the
+    argument every decoder layer forwards by name. Torch functions are disabled on it, so every op on it returns a
+    plain tensor (nothing downstream ever computes on this type), and the seam reads the facts riding beside it:
+    keys: the plain (B, 1, 1, S) bool tensor, True on real keys;
     runs: the KeyRuns read from `keys` when the mask function ran eagerly (also when only the decoder layers are
     compiled), so that compiled layers, which cannot read values, know them; None where it was traced."""
 
-    keys: Tensor
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    keys: Tensor | None = None
     runs: KeyRuns | None = None
+
+    @staticmethod
+    def of(keys: Tensor, runs: KeyRuns | None = None) -> "KeyPadding":
+        """keys: (B, 1, 1, S) bool -> the seam's mask object. Contiguous, so transformers' `.contiguous()` (generate
+        calls it on every mask it builds) hands back this object, not a plain tensor with another meaning."""
+        keys = keys.contiguous()
+        mask = keys.as_subclass(KeyPadding)
+        mask.keys, mask.runs = keys, runs
+        return mask
+
+
+def _key_padding(mask: KeyPadding) -> tuple[Tensor, KeyRuns | None]:
+    """(keys (B, 1, 1, S) plain bool, runs) of the seam's mask object; a KeyPadding made by anything but `of` (its
+    facts lost) is still key padding, its runs unknown."""
+    if mask.keys is None:
+        return mask.as_subclass(Tensor), None
+    return mask.keys, mask.runs
 
 
 def _variant_mask(mask, B: int, T: int, S: int, training: bool):
@@ -103,9 +125,9 @@ def _variant_mask(mask, B: int, T: int, S: int, training: bool):
     if mask is None:
         return None, True, None, None, None, None
     if isinstance(mask, KeyPadding):
-        keys = mask.keys
+        keys, runs = _key_padding(mask)
         token_mask = keys[:, 0, 0, S - T:].expand(B, T) if training and S >= T else None
-        return keys, True, token_mask, keys[:, 0, 0, :], None, mask.runs
+        return keys, True, token_mask, keys[:, 0, 0, :], None, runs
     if not isinstance(mask, Tensor) or mask.dim() != 4:
         raise ValueError(f"affine_attention expects a 4D boolean attention mask (B, 1, T, S) or None, got "
                          f"{type(mask).__name__} of shape {tuple(getattr(mask, 'shape', ()))}")
@@ -328,5 +350,5 @@ def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
     read = None if is_tracing(keys) else read_key_runs(keys)
     if read is not None and read[0]:
         return None
-    return KeyPadding(keys, None if read is None else read[1])
+    return KeyPadding.of(keys, None if read is None else read[1])
 
