@@ -25,7 +25,7 @@ VERSION_SENSITIVE = frozenset({
     "test_mask_shapes.py", "test_masks_structured.py", "test_no_txs.py", "test_nonfinite_queries.py",
     "test_ops_errors.py", "test_ops_numerics.py", "test_ops_properties.py", "test_packing.py", "test_properties.py",
     "test_retrofit.py", "test_running_stats.py", "test_running_stats_protocol.py", "test_segment_sums.py",
-    "test_stats_distributed.py", "test_teacher_sharded.py", "test_train_checkpoint.py", "test_train_compile_ac.py",
+    "test_stats_distributed.py", "test_teacher_sharded.py", "test_text_as_text.py", "test_train_checkpoint.py", "test_train_compile_ac.py",
     "test_train_distributed.py", "test_transformers_serve.py",
     "test_train_fsdp_precision.py", "test_train_kd.py", "test_train_resume.py", "test_triton_kernels.py",
     "test_user_paths.py", "test_variants.py", "test_variants_distributed.py", "test_vllm.py",
