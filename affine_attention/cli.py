@@ -84,7 +84,8 @@ def _compare(args) -> int:
 def _add_backends(sub) -> None:
     """`backends` reads the variant registry (which variants ask for an lse), above ops/plan.py, which plans."""
     c = sub.add_parser("backends", help="which attention kernel serves each mask kind, and why the others refuse")
-    c.add_argument("--device", default="cuda", help="device type to plan for (no such device needed)")
+    c.add_argument("--device", default="cuda",
+                   help="device type to plan for: cpu or cuda (cuda:0 plans for cuda; no such device needed)")
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"],
                    help="dtype of the planned calls")
     c.add_argument("--compiled", nargs="?", const="blocks", choices=["blocks", "model"],
@@ -96,13 +97,14 @@ def _add_backends(sub) -> None:
 def _backends(args) -> int:
     import torch
 
-    from .ops.plan import MODES, dispatch_table, markdown
+    from .ops.plan import MODES, device_type_of, dispatch_table, markdown
     from .variants import REGISTRY
 
     names = {lse: ", ".join(n for n, v in REGISTRY.items() if v.needs_lse == lse) for lse in (False, True)}
     mode = args.compiled or "eager"
-    rows = dispatch_table(args.device, getattr(torch, args.dtype), mode)
-    print(f"{args.device} {args.dtype}, {MODES[mode]} (training call, D = 128):\n")
+    device = device_type_of(args.device)
+    rows = dispatch_table(device, getattr(torch, args.dtype), mode)
+    print(f"{device} {args.dtype}, {MODES[mode]} (training call, D = 128):\n")
     print(markdown(rows, names[False], names[True]))
     return 0
 

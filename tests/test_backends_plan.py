@@ -72,3 +72,18 @@ def test_docs_show_the_current_dispatch_table(capsys, compiled):
     table = capsys.readouterr().out.strip()
     docs = (Path(__file__).parents[1] / "docs" / "kernels.md").read_text()
     assert table in docs, f"docs/kernels.md's dispatch table is stale: paste `affine-attention {' '.join(argv)}`"
+
+
+def test_a_device_is_planned_for_its_type_and_an_unknown_one_is_refused(capsys):
+    """`cuda:0` is planned as cuda (it was once planned as no CUDA device: every CUDA backend refused it); a string
+    that names no device type the backends tell apart is one error line, not an rc-0 table."""
+    assert dispatch_table("cuda:0", torch.bfloat16) == dispatch_table("cuda", torch.bfloat16)
+    assert cli.main(["backends", "--device", "cuda:0"]) == 0
+    assert capsys.readouterr().out.startswith("cuda bfloat16, eager")
+    for bad in ("foo", "meta", "cuda:x"):
+        assert cli.main(["backends", "--device", bad]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert captured.err.strip() == (f"affine-attention backends: error: device {bad!r} cannot be planned for: use "
+                                        "one of cpu, cuda (an index such as cuda:0 is allowed; the plan is the same "
+                                        "for every device of a type)")

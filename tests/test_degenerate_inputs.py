@@ -77,6 +77,11 @@ def test_layer_inputs_of_the_wrong_kind_are_value_errors(name):
         layer(q, k, v, x, is_causal=True, token_mask=torch.ones(2, 3))  # a float mask is not read as padding
     with pytest.raises(ValueError, match="token_mask must be a bool tensor"):
         layer(q, k, v, x, is_causal=True, token_mask=torch.ones(2, 4, dtype=torch.bool))
+    for training in (True, False):  # on another device it once failed in the statistics with a RuntimeError
+        layer.train(training)
+        with pytest.raises(ValueError, match=r"token_mask is on meta but x is on cpu; move it with "
+                                             r"`token_mask.to\(x.device\)`"):
+            layer(q, k, v, x, is_causal=True, token_mask=torch.ones(2, 3, dtype=torch.bool, device="meta"))
     if any(True for _ in layer.parameters()):
         with pytest.raises(ValueError, match="float64 must be used for the inputs and the module"):
             layer(q.double(), k.double(), v.double(), x.double(), is_causal=True)

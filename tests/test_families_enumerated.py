@@ -18,7 +18,7 @@ from test_hf_common import VOCAB  # noqa: F401  (skips without transformers, reg
 import affine_attention
 from affine_attention.hf import family_survey as survey
 from affine_attention.hf.attention import ATTN_IMPLEMENTATION, LAYER_WINDOW_ATTR, X_KWARG, attention_forward
-from affine_attention.hf.families import FAMILIES, family_names
+from affine_attention.hf.families import FAMILIES, family_names, masked_window
 from affine_attention.hf.families_refused import ABSENT_IN_LOWEST, ALIASES, LOWEST, REFUSED
 from affine_attention.hf.family_docs import families_markdown
 from affine_attention.hf.layers import attention_layers
@@ -148,7 +148,7 @@ def test_a_window_the_decoder_masks_but_does_not_pass_is_the_converted_layers_wi
     base = survey.tiny_model(candidate)
     soft = survey.converted(base, candidate, "softmax")
     layers = attention_layers(soft)
-    assert [getattr(a, LAYER_WINDOW_ATTR) for a in layers] == windows
+    assert [masked_window(getattr(a, LAYER_WINDOW_ATTR), soft.config, a.layer_idx) for a in layers] == windows
     base.set_attn_implementation("eager")  # the reference: transformers' eager attention
     ids, mask, pos = survey._padded(True)
     with torch.no_grad():
@@ -160,9 +160,26 @@ def test_a_window_the_decoder_masks_but_does_not_pass_is_the_converted_layers_wi
     # a window passed beside the masked one must be that one
     q = torch.randn(1, 4, 3, 16)
     kv = torch.randn(1, 2, 3, 16)
-    setattr(layers[0], LAYER_WINDOW_ATTR, 4)
+    setattr(layers[0], LAYER_WINDOW_ATTR, TABLE[model_type].mask_window)
     with pytest.raises(ValueError, match="passes sliding_window=8, but its decoder masks a window of 4"):
         attention_forward(layers[0], q, kv, kv, None, sliding_window=8, **{X_KWARG: torch.randn(1, 3, 64)})
+
+
+@pytest.mark.parametrize("model_type", ["phimoe", "qwen2_moe"])
+def test_a_window_the_decoder_masks_is_read_from_the_config_at_call_time(model_type):
+    # The decoder builds its mask from config.sliding_window on every forward; the converted layer reads the same
+    # config then, so an edit after conversion reaches both (a copy taken at conversion once kept the old window).
+    candidate = _candidate(model_type)
+    base = survey.tiny_model(candidate)
+    soft = survey.converted(base, candidate, "softmax")
+    base.set_attn_implementation("eager")
+    ids, mask, pos = survey._padded(True)
+    for window in (2, 8):
+        base.config.sliding_window = soft.config.sliding_window = window
+        with torch.no_grad():
+            want = base(ids, attention_mask=mask, position_ids=pos).logits
+            got = soft(ids, attention_mask=mask, position_ids=pos).logits
+        assert survey._gap(got, want, mask.bool()) <= survey.TOL, window
 
 
 def test_zayas_convolutions_carry_across_packed_documents_in_eager_and_converted_alike():

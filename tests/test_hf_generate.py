@@ -199,3 +199,23 @@ def test_static_cache_matches_dynamic_cache():
         static = model.generate(ids, cache_implementation="static", **kwargs)
     assert torch.equal(dynamic.sequences, static.sequences)
     assert (torch.stack(dynamic.scores) - torch.stack(static.scores)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("cache_implementation", ["static", "sliding_window"])
+@pytest.mark.parametrize("family, variant", [("mistral", "softmax"), ("mistral", "affine"), ("gemma3", "affine")])
+def test_static_and_sliding_caches_on_a_padded_batch_with_windows_match_the_dynamic_cache(family, variant,
+                                                                                          cache_implementation):
+    """generate builds the masks of a compilable cache itself and hands them back to the model, whose own mask code
+    reads them as tensors: the seam's key padding is one (a tensor type of its own), so a padded batch on a
+    windowed family decodes as with the dynamic cache, the prompt (6) and the decode past the window (4)."""
+    model = tiny(family, variant)
+    perturb(model)
+    assert model.config.sliding_window == 4
+    ids, mask, _ = left_padded(T=6)
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, output_scores=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        dynamic = model.generate(ids, **kwargs)
+        static = model.generate(ids, cache_implementation=cache_implementation, **kwargs)
+    assert torch.equal(dynamic.sequences, static.sequences)
+    assert (torch.stack(dynamic.scores) - torch.stack(static.scores)).abs().max() <= TOL

@@ -67,3 +67,27 @@ def test_masks_the_seam_cannot_read_are_refused_by_name(mask):
     mask = mask()
     with pytest.raises(ValueError, match="mask"):
         _variant_mask(mask, B, T, T, training=False)
+
+
+def test_the_seams_key_padding_is_a_tensor_transformers_reads_back_and_keeps():
+    """generate builds the masks of a static cache with the registered mask function and hands them back to the
+    model, whose mask code asks `.ndim` / `.shape` and passes a 4D tensor on unchanged: the seam's key padding is such
+    a tensor, keeps its type through generate's `.contiguous()` (also made from a non-contiguous slice), every op on it
+    gives a plain tensor (nothing downstream computes on the marker type), and handed to the model it still means
+    causal + padding."""
+    from affine_attention.hf.attention import KeyPadding, structured_mask
+
+    pad = torch.ones(B, T + 3, dtype=torch.long)
+    pad[1, 3:5] = 0
+    mask = structured_mask(B, T, T, attention_mask=pad[:, 3:])  # a non-contiguous slice of a wider mask
+    assert isinstance(mask, KeyPadding) and isinstance(mask, torch.Tensor) and mask.ndim == 4
+    assert mask.contiguous() is mask and torch.equal(mask.keys, pad[:, None, None, 3:].bool())
+    assert mask.runs.keys is mask.keys
+    assert type(mask[:, 0, 0]) is torch.Tensor and type(mask & mask) is torch.Tensor
+    model = tiny("llama", "softmax")
+    ids = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids, attention_mask=pad[:, 3:]).logits
+        got = model(ids, attention_mask=mask).logits
+    real = pad[:, 3:].bool()
+    torch.testing.assert_close(got[real], want[real], rtol=0, atol=0)

@@ -35,3 +35,30 @@ def _alpha():
 def test_bad_input_raises_clear_value_error(case, match):
     with pytest.raises(ValueError, match=match):
         case()
+
+
+def test_a_parsed_mask_of_another_batch_head_count_or_device_is_named():
+    """mask= (a MaskSpec parsed before, e.g. once per model forward) made for another call once failed deep in a
+    kernel with a broadcasting RuntimeError; every op names the mismatch instead."""
+    from affine_attention.ops.masks import parse_mask
+
+    q, k, v = _qkv(hkv=2)
+    keys = torch.ones(B + 1, 1, 1, T, dtype=torch.bool)
+    keys[0, ..., 0] = False
+    docs = torch.tensor([[0, 0, 1, 1, 1]] * (B + 1))
+    dense = torch.ones(B, H - 1, T, T, dtype=torch.bool).tril()
+    cases = [
+        (parse_mask(keys, True, B + 1, H, T, T, q.device),
+         rf"parsed for B = {B + 1} \(its keys: \({B + 1}, 1, 1, {T}\)\), but q has B = {B}"),
+        (parse_mask(None, True, B + 1, H, T, T, q.device, document_ids=docs),
+         rf"parsed for B = {B + 1} \(its documents"),
+        (parse_mask(dense, False, B, H - 1, T, T, q.device),
+         rf"parsed for Hq = {H - 1} \(its dense.*but q has Hq = {H}"),
+        (parse_mask(keys[:B].to("meta"), True, B, H, T, T, torch.device("meta")),
+         r"parsed on meta \(its keys\), but q is on cpu"),
+    ]
+    for mask, match in cases:
+        for op in (lambda: affine_scaled_attention(q, k, v, *_alpha(), mask=mask, enable_gqa=True),
+                   lambda: sink_attention(q, k, v, torch.rand(H), mask=mask, enable_gqa=True)):
+            with pytest.raises(ValueError, match=match):
+                op()

@@ -169,3 +169,27 @@ def test_teacher_sees_the_students_document_boundaries(teachers, student_tok, tm
                     seq_len=10, device=torch.device("cpu"))
     across = _logits(plain.targets(torch.cat([a, b])[None], torch.tensor([0])))[0]
     assert not torch.allclose(across[4:], torch.cat(alone)[4:], atol=1e-4)  # without it, attention crosses
+
+
+def test_a_top_k_above_the_teachers_vocabulary_is_refused_by_name(teachers, student_tok, tmp_path):
+    # It once reached torch.topk inside the first step as "selected index k out of range".
+    with pytest.raises(ValueError, match=r"kd.top_k = 4097 is more than the 4096 logits teacher .*same' makes per "
+                                         r"token; set kd.top_k to at most 4096, or to 0"):
+        _teacher(teachers["same"], student_tok, tmp_path, top_k=4097)
+    assert _teacher(teachers["same"], student_tok, tmp_path, top_k=4096).cfg.top_k == 4096
+
+
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_a_teacher_with_a_nan_weight_is_named_not_reported_as_a_divergence(teachers, student_tok, tmp_path, top_k):
+    # Its KD loss was nan from the first step, which training reported as "lower optim.lr".
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(teachers["same"])
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[3, 5] = float("nan")
+    model.save_pretrained(tmp_path / "nan_teacher")
+    student_tok.save_pretrained(tmp_path / "nan_teacher")
+    teacher = _teacher(str(tmp_path / "nan_teacher"), student_tok, tmp_path, top_k=top_k)
+    with pytest.raises(ValueError, match=r"KD teacher .*nan_teacher' has non-finite weights \(1 nan/inf values in "
+                                         r"model.layers.0.mlp.up_proj.weight, \(32, 16\)\)"):
+        teacher.targets(torch.zeros(1, 8, dtype=torch.long), torch.tensor([0]))

@@ -16,6 +16,7 @@ import torch
 
 from .._environment import versions
 from .._progress import Steps, phase
+from ..text import encode_documents
 from ..variants import REFERENCE
 from .capture import AttentionRecorder, LayerRecord, find_variant_modules, utilisation
 
@@ -117,7 +118,7 @@ def token_windows(tokenizer, texts: Iterable[str], sequences: int, length: int) 
     need, stream = sequences * length, []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     for text in texts:
-        stream.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + eos)
+        stream.extend(encode_documents(tokenizer, [text])[0] + eos)  # a special token's string stays text
         if len(stream) >= need:
             break
     n = min(sequences, len(stream) // length)

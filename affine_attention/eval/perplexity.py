@@ -31,6 +31,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..text import encode_documents
+
 
 def read_texts(texts: Any, text_column: str = "text") -> list[str]:
     """Documents from a path, a ``datasets`` split or an iterable of str (see `affine_attention.text.read_documents`)."""
@@ -106,8 +108,7 @@ def perplexity(
     docs = [doc for doc in read_texts(texts, text_column) if doc]
     if not docs:
         raise ValueError("no non-empty documents to score")
-    # verbose=False: long documents exceed the tokenizer's model_max_length by design (we window them).
-    encoded = tokenizer(docs, add_special_tokens=False, verbose=False)["input_ids"]
+    encoded = encode_documents(tokenizer, docs)  # a special token's string in a document stays text
     stream: list[int] = []
     for ids in encoded:
         stream.append(eos)

@@ -7,7 +7,7 @@ fast paths; only sliding windows, packed sequences, static caches and custom pat
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +23,7 @@ from ..ops.call import AttentionCall, make_score
 from ..ops.masks import KeyRuns, Varlen, parse_mask, read_key_runs
 from . import cache as value_cache
 from . import packing
-from .families import HONOURED_KWARGS, INERT_KWARGS, REQUIRED_VALUES, family_of_config
+from .families import HONOURED_KWARGS, INERT_KWARGS, REQUIRED_VALUES, family_of_config, masked_window
 
 ATTN_IMPLEMENTATION = "affine_attention"
 # Keyword arguments the attention module's pre-hook adds; transformers forwards them to `attention_forward`.
@@ -31,8 +31,8 @@ X_KWARG = "affine_attention_x"
 CACHE_KWARG = "affine_attention_cache"
 TRUSTED_KWARG = "affine_attention_cache_trusted"
 KV_TRUSTED_KWARG = "affine_attention_cache_kv_trusted"
-# The attention module's attribute holding the sliding window its decoder masks but does not pass on
-# (Family.mask_window), set by `convert`.
+# The attention module's attribute holding where the sliding window its decoder masks but does not pass on comes from
+# (Family.mask_window), set by `convert`; the window itself is read from the config on every call.
 LAYER_WINDOW_ATTR = "affine_attention_window"
 # Every keyword `attention_forward` reads or may ignore; any other is refused (see `_check_kwargs`).
 _KNOWN_KWARGS = frozenset(HONOURED_KWARGS) | frozenset(INERT_KWARGS) | {
@@ -73,18 +73,40 @@ def capture_attention_input(module: nn.Module, args: tuple, kwargs: dict[str, An
     return args, kwargs
 
 
-class KeyPadding(NamedTuple):
+class KeyPadding(Tensor):
     """What the registered mask function returns for a padded batch: key padding under the causal rule.
 
-    keys: (B, 1, 1, S) bool, True on real keys. A type of its own rather than the bare tensor: a (B, 1, 1, S) bool
-    tensor that reaches the attention function is a user's own mask, which transformers' SDPA reads without the
-    causal rule (each query sees every unmasked key); only the type tells the two apart, also in a traced graph.
-    It rides in `attention_mask`, the argument every decoder layer forwards by name.
+    A (B, 1, 1, S) bool tensor of a type of its own. A tensor, because transformers reads back what its mask function
+    returned (generate builds the masks of a static cache ahead and hands them to the model, whose own mask code then
+    asks `.ndim` and `.shape`); a type of its own, because a (B, 1, 1, S) bool tensor that reaches the attention
+    function is otherwise a user's own mask, which transformers' SDPA reads without the causal rule (each query sees
+    every unmasked key): only the type tells the two apart, also in a traced graph. It rides in `attention_mask`, the
+    argument every decoder layer forwards by name. Torch functions are disabled on it, so every op on it returns a
+    plain tensor (nothing downstream ever computes on this type), and the seam reads the facts riding beside it:
+    keys: the plain (B, 1, 1, S) bool tensor, True on real keys;
     runs: the KeyRuns read from `keys` when the mask function ran eagerly (also when only the decoder layers are
     compiled), so that compiled layers, which cannot read values, know them; None where it was traced."""
 
-    keys: Tensor
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    keys: Tensor | None = None
     runs: KeyRuns | None = None
+
+    @staticmethod
+    def of(keys: Tensor, runs: KeyRuns | None = None) -> "KeyPadding":
+        """keys: (B, 1, 1, S) bool -> the seam's mask object. Contiguous, so transformers' `.contiguous()` (generate
+        calls it on every mask it builds) hands back this object, not a plain tensor with another meaning."""
+        keys = keys.contiguous()
+        mask = keys.as_subclass(KeyPadding)
+        mask.keys, mask.runs = keys, runs
+        return mask
+
+
+def _key_padding(mask: KeyPadding) -> tuple[Tensor, KeyRuns | None]:
+    """(keys (B, 1, 1, S) plain bool, runs) of the seam's mask object; a KeyPadding made by anything but `of` (its
+    facts lost) is still key padding, its runs unknown."""
+    if mask.keys is None:
+        return mask.as_subclass(Tensor), None
+    return mask.keys, mask.runs
 
 
 def _variant_mask(mask, B: int, T: int, S: int, training: bool):
@@ -103,9 +125,9 @@ def _variant_mask(mask, B: int, T: int, S: int, training: bool):
     if mask is None:
         return None, True, None, None, None, None
     if isinstance(mask, KeyPadding):
-        keys = mask.keys
+        keys, runs = _key_padding(mask)
         token_mask = keys[:, 0, 0, S - T:].expand(B, T) if training and S >= T else None
-        return keys, True, token_mask, keys[:, 0, 0, :], None, mask.runs
+        return keys, True, token_mask, keys[:, 0, 0, :], None, runs
     if not isinstance(mask, Tensor) or mask.dim() != 4:
         raise ValueError(f"affine_attention expects a 4D boolean attention mask (B, 1, T, S) or None, got "
                          f"{type(mask).__name__} of shape {tuple(getattr(mask, 'shape', ()))}")
@@ -212,10 +234,12 @@ def _check_kwargs(module: nn.Module, kwargs: dict[str, Any], packed: bool) -> No
 
 def _window(module: nn.Module, sliding_window: int | None) -> int | None:
     """The layer's sliding window: the one its attention passes, or (a family whose attention does not pass it,
-    Family.mask_window) the one its decoder's mask applies, which is all transformers' eager attention reads."""
-    masked = getattr(module, LAYER_WINDOW_ATTR, None)
-    if masked is None:
+    Family.mask_window) the one its decoder's mask applies, which is all transformers' eager attention reads: read
+    from the config now, as the decoder's mask is, never a copy taken at conversion."""
+    rule = getattr(module, LAYER_WINDOW_ATTR, None)
+    if rule is None:
         return sliding_window
+    masked = masked_window(rule, module.config, module.layer_idx)
     if sliding_window is not None and sliding_window != masked:
         raise ValueError(f"the {_family_name(module)} attention (layer {module.layer_idx}) passes sliding_window="
                          f"{sliding_window}, but its decoder masks a window of {masked}; the family table's "
@@ -326,5 +350,5 @@ def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
     read = None if is_tracing(keys) else read_key_runs(keys)
     if read is not None and read[0]:
         return None
-    return KeyPadding(keys, None if read is None else read[1])
+    return KeyPadding.of(keys, None if read is None else read[1])
 

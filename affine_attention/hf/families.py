@@ -107,13 +107,7 @@ class Family:
     def layer_window(self, config, layer_idx: int) -> int | None:
         """The sliding window of layer `layer_idx` that the family's decoder masks but does not pass on (see
         `mask_window`), or None."""
-        if self.mask_window is None:
-            return None
-        if self.mask_window == "every_layer":
-            return config.sliding_window
-        if self.mask_window == "layer_types":
-            return config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
-        raise ValueError(f"{self.name}: unknown mask_window {self.mask_window!r}")
+        return masked_window(self.mask_window, config, layer_idx)
 
     def available(self) -> bool:
         """Whether the installed transformers ships this family (the table spans the supported versions; a family
@@ -364,6 +358,19 @@ def get_family(name: str) -> Family:
     if name not in FAMILIES:
         raise ValueError(f"unknown model family {name!r}; supported: {sorted(FAMILIES)}")
     return FAMILIES[name]
+
+
+def masked_window(mask_window: str | None, config, layer_idx: int) -> int | None:
+    """The window a family's decoder masks on layer `layer_idx` but does not pass on (Family.mask_window), read from
+    `config` as it is now: the seam calls this on every forward, so an edit of config.sliding_window reaches the
+    converted layer as it reaches the decoder's own mask (a copy made at conversion would go stale)."""
+    if mask_window is None:
+        return None
+    if mask_window == "every_layer":
+        return config.sliding_window
+    if mask_window == "layer_types":
+        return config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
+    raise ValueError(f"unknown mask_window {mask_window!r}; use 'every_layer', 'layer_types' or None")
 
 
 def family_of_config(config) -> Family:

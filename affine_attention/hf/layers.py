@@ -93,7 +93,7 @@ def attach_variants(model: nn.Module, spec: Mapping[str, Any], family: Family | 
         variant.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
         variant.train(attn.training)  # an eval-mode model must not start updating alpha_ma
         attn.add_module(VARIANT_ATTR, variant)
-        setattr(attn, LAYER_WINDOW_ATTR, family.layer_window(config, attn.layer_idx))
+        setattr(attn, LAYER_WINDOW_ATTR, family.mask_window)  # the rule: the window is read per call
         setattr(attn, _HOOK_ATTR, attn.register_forward_pre_hook(capture_attention_input, with_kwargs=True))
     packing.attach(model)
     _keep_accumulators_local(model)

@@ -329,4 +329,26 @@ def mask_of_call(mask: MaskSpec | None, attn_mask: Tensor | None, is_causal: boo
     if mask.T != T or mask.S != S:
         raise ValueError(f"mask was parsed for T = {mask.T} queries and S = {mask.S} keys, but q and k have T = {T} "
                          f"and S = {S}")
+    _check_parsed_for(mask, B, Hq, device)
     return mask
+
+
+def _check_parsed_for(mask: MaskSpec, B: int, Hq: int, device: torch.device) -> None:
+    """A MaskSpec parsed for another batch, head count or device fails deep in a kernel with a broadcasting error:
+    name the mismatch here. keys (B|1, 1, 1, S), dense (B|1, Hq|1, T, S), documents (B|1, S), varlen."""
+    parts = (("keys", mask.keys, ("B",)), ("dense", mask.dense, ("B", "Hq")), ("documents", mask.documents, ("B",)))
+    want = {"B": B, "Hq": Hq}
+    for name, t, dims in parts:
+        if t is None:
+            continue
+        for size, dim in zip(t.shape, dims):
+            if size != 1 and size != want[dim]:
+                raise ValueError(f"mask was parsed for {dim} = {size} (its {name}: {tuple(t.shape)}), but q has "
+                                 f"{dim} = {want[dim]}; parse the mask for this call (masks.parse_mask) or pass "
+                                 "attn_mask instead")
+        if t.device != device:
+            raise ValueError(f"mask was parsed on {t.device} (its {name}), but q is on {device}; parse it on q's "
+                             "device or pass attn_mask instead")
+    if mask.varlen is not None and mask.varlen.cu_q.device != device:
+        raise ValueError(f"mask was parsed on {mask.varlen.cu_q.device} (its varlen lengths), but q is on {device}; "
+                         "parse it on q's device")

@@ -24,6 +24,22 @@ from .call import make_score
 from .masks import KeyRuns, Varlen, parse_mask, read_key_runs
 
 B, HQ, HKV, D, T, S = 2, 8, 2, 128, 256, 256
+#: The device types the backends tell apart (each declares "runs on CUDA only" or "on CPU only"); any other would be
+#: planned as a guess.
+PLANNED_DEVICES = ("cpu", "cuda")
+
+
+def device_type_of(device: str) -> str:
+    """The device type a plan is made for: "cuda" for "cuda" or "cuda:0" (a plan is per type); ValueError naming the
+    value for a string torch does not read as a device or a type no backend declares."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in PLANNED_DEVICES:
+        raise ValueError(f"device {device!r} cannot be planned for: use one of {', '.join(PLANNED_DEVICES)} (an index "
+                         f"such as cuda:0 is allowed; the plan is the same for every device of a type)")
+    return kind
 
 #: mode -> how the table's heading names it.
 MODES = {"eager": "eager",
@@ -133,6 +149,7 @@ def dispatch_table(device_type: str = "cuda", dtype: torch.dtype = torch.bfloat1
     D = 128."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    device_type = device_type_of(device_type)
     rows = []
     with _platform_assumed(device_type):
         for case in cases or CASES:

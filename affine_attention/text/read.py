@@ -14,6 +14,14 @@ from typing import Any
 from .corpus import corpus_texts
 
 FILE_TYPES = ".txt/.md (one document per file), .jsonl/.json (one JSON object per line) or .parquet"
+BOM = "\ufeff"
+
+
+def without_bom(text: Any) -> Any:
+    """The one byte-order-mark rule of every reader: a U+FEFF that starts a file or a document is the mark an editor
+    writes, not text (it would train as 3 byte tokens), so it is dropped; one anywhere else is text and kept. What is
+    not a str passes unchanged, for its reader to refuse by name."""
+    return text[1:] if isinstance(text, str) and text.startswith(BOM) else text
 
 
 def expand(patterns: Sequence[str]) -> list[Path]:
@@ -41,6 +49,8 @@ def json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
             except UnicodeDecodeError as err:
                 raise ValueError(f"{path}: line {n}: not UTF-8 text ({err.reason} at byte {err.start}); "
                                  "re-encode the file as UTF-8") from None
+            if n == 1:
+                line = without_bom(line)
             if not line.strip():
                 continue
             try:
@@ -51,7 +61,11 @@ def json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
 
 def file_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
     """The documents of one file: a .txt/.md file is one document; .jsonl/.json one object per line with a string
-    field `text_field`; .parquet the column `text_field`."""
+    field `text_field`; .parquet the column `text_field`. A leading byte order mark is dropped (`without_bom`)."""
+    return (without_bom(doc) for doc in _file_documents(path, text_field))
+
+
+def _file_documents(path: str | Path, text_field: str) -> Iterator[str]:
     path = Path(path)
     suffix = path.suffix.lower()
     if not path.is_file():
@@ -103,7 +117,7 @@ def _hub_documents(name: str, *, subset: str = "", split: str = "train", revisio
     for ex in ds:
         if text_field not in ex:
             raise ValueError(f"dataset {name!r} has no field {text_field!r}; fields: {sorted(ex)}")
-        yield ex[text_field]
+        yield without_bom(ex[text_field])
 
 
 def documents(kind: str, *, split: str = "train", paths: Sequence[str] = (), text_field: str = "text",
@@ -155,4 +169,4 @@ def read_documents(texts: Any, text_field: str = "text") -> list[str]:
     for index, doc in enumerate(docs):
         if not isinstance(doc, str):
             raise ValueError(f"document {index} is {type(doc).__name__}, expected str")
-    return docs
+    return [without_bom(doc) for doc in docs]

@@ -33,6 +33,7 @@ import torch
 
 from .._files import atomic_file, atomic_write_bytes
 from ..text import documents as text_documents
+from ..text import encode_documents
 from .config import DataConfig, SourceConfig
 from .packed import PackedArray
 from .prefetch import Prefetcher
@@ -65,9 +66,9 @@ def separator_id(tok, separator: str = "") -> int:
 
 
 def tokenize_documents(tok, docs: list[str], sep: int) -> list[list[int]]:
-    """Token ids of each document, no special tokens added, each followed by the separator id `sep`."""
-    ids = tok(docs, add_special_tokens=False, verbose=False)["input_ids"]
-    return [list(x) + [sep] for x in ids]
+    """Token ids of each document as text (text.encode_documents: a special token's string in it stays text), each
+    followed by the separator id `sep`, the only separator in the stream."""
+    return [x + [sep] for x in encode_documents(tok, docs)]
 
 
 def source_identity(src: SourceConfig) -> dict[str, Any]:

@@ -93,6 +93,20 @@ def _any_rank(mine: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
+def check_finite_teacher(model, spec: str) -> None:
+    """A teacher whose weights hold nan or inf makes every KD loss non-finite, which training would report as a
+    divergence of the student (lower optim.lr): refuse it here, naming it and its first such weight. One host sync,
+    once per loaded teacher (before it is sharded: every weight is whole here)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
+    if not params or bool(torch.stack([torch.isfinite(p).all() for _, p in params]).all()):
+        return
+    name, p = next((n, p) for n, p in params if not bool(torch.isfinite(p).all()))
+    bad = int((~torch.isfinite(p)).sum())
+    raise ValueError(f"KD teacher {spec!r} has non-finite weights ({bad} nan/inf values in {name}, "
+                     f"{tuple(p.shape)}); every KD loss would be nan: repair or re-download the teacher's weights, "
+                     "or load it in a dtype that holds them (kd.teacher_dtype)")
+
+
 class Teacher:
     """Teacher targets for a micro-batch: live forwards, or the on-disk top-k cache filled on first use.
 
@@ -135,11 +149,16 @@ class Teacher:
                 self.cache.set_teacher_meta(meta)
         check_vocab(cfg.teacher, (meta["vocab_sha256"], meta["vocab_size"]), meta["logits_dim"], student_tok_spec,
                     student_fp, student_vocab)
+        if cfg.top_k > meta["logits_dim"]:
+            raise ValueError(f"kd.top_k = {cfg.top_k} is more than the {meta['logits_dim']} logits teacher "
+                             f"{cfg.teacher!r} makes per token; set kd.top_k to at most {meta['logits_dim']}, or to 0 "
+                             "for the full-vocabulary KL")
 
     @property
     def model(self):
         if self._model is None:
             self._model = load_causal_lm(self.cfg.teacher, self.dtype, self.device)
+            check_finite_teacher(self._model, self.cfg.teacher)
             if self.compile:
                 from .blocks import compile_blocks
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..hf.load import resolve
+from ..text import TEXT_RULE
 
 
 def load_tokenizer(spec: str):
@@ -22,12 +23,14 @@ def load_tokenizer(spec: str):
 
 
 def tokenizer_fingerprint(tok) -> str:
-    """sha256 of the tokenizer's full serialisation (vocabulary, merges, normaliser) and its eos id."""
+    """sha256 of the tokenizer's full serialisation (vocabulary, merges, normaliser), its eos id and the rule that
+    turns documents into ids (text.TEXT_RULE): what the ids of a document depend on, for every cache keyed by it."""
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:
         raise ValueError(f"{type(tok).__name__} is not a fast tokenizer; training needs a fast (Rust) tokenizer")
     h = hashlib.sha256(backend.to_str().encode())
     h.update(str(tok.eos_token_id).encode())
+    h.update(TEXT_RULE.encode())
     return h.hexdigest()
 
 

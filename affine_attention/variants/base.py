@@ -218,6 +218,9 @@ class AttentionVariant(nn.Module):
                    else type(token_mask).__name__)
             raise ValueError(f"token_mask must be a bool tensor (B, T) = {tuple(x.shape[:2])}, True on real tokens; "
                              f"got {got} (convert an attention mask with `.bool()`)")
+        if token_mask is not None and token_mask.device != x.device:
+            raise ValueError(f"token_mask is on {token_mask.device} but x is on {x.device}; move it with "
+                             "`token_mask.to(x.device)`")
         return self.attend(call, x, token_mask=token_mask, model_sinks=model_sinks)
 
     def reference(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, *, attn_mask: Tensor | None = None,
