@@ -1,8 +1,7 @@
 """Affine-Scaled Attention for PyTorch and Hugging Face transformers."""
 from __future__ import annotations
 
-# The one place the version is written: pyproject.toml reads it (setuptools `dynamic`), the CLI prints it.
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401  (pyproject.toml reads it too)
 
 
 def __getattr__(name: str):

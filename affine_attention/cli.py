@@ -131,7 +131,7 @@ examples (one per command; `affine-attention COMMAND --help` for its options):
 
 
 def _version() -> str:
-    from . import __version__
+    from ._version import __version__
 
     return __version__
 
