@@ -265,6 +265,7 @@ def backward(grad: Tensor, out: Tensor, alpha: Tensor | None, alpha_ma: Tensor |
 @triton_op("affine_attention::epilogue", mutates_args=())
 def _epilogue_op(out: Tensor, alpha: Tensor | None, alpha_ma: Tensor | None, m: Tensor | None,
                  gate: Tensor | None) -> Tensor:
+    """y (B, Hq, T, D) from out (B, Hq, T, D), alpha (B, Hq, T), alpha_ma (Hq,), m (B, Hm, T|1, D), gate rank 4."""
     return forward(out, alpha, alpha_ma, m, gate)
 
 
@@ -272,6 +273,7 @@ def _epilogue_op(out: Tensor, alpha: Tensor | None, alpha_ma: Tensor | None, m: 
 def _epilogue_backward_op(grad: Tensor, out: Tensor, alpha: Tensor | None, alpha_ma: Tensor | None, m: Tensor | None,
                           gate: Tensor | None, need_alpha: bool, need_alpha_ma: bool, need_gate: bool,
                           need_m: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(d out, d alpha, d alpha_ma, d gate, d m), each in its input's shape, or (0,) where not needed; grad like out."""
     grads = backward(grad, out, alpha, alpha_ma, m, gate, need_alpha=need_alpha, need_alpha_ma=need_alpha_ma,
                      need_gate=need_gate, need_m=need_m)
     return tuple(out.new_empty(0) if g is None else g for g in grads)
@@ -304,6 +306,7 @@ def _save_inputs(ctx, inputs, output) -> None:
 
 @once_differentiable("the variant epilogue")  # a second derivative raises, naming what to use instead
 def _differentiate(ctx, grad):
+    """grad (B, Hq, T, D) -> gradients in the operator's argument order (out, alpha, alpha_ma, m, gate)."""
     out, alpha, alpha_ma, m, gate = ctx.saved_tensors
     need = ctx.needs_input_grad
     d_out, d_alpha, d_alpha_ma, d_gate, d_m = OPS.backward(grad, out, alpha, alpha_ma, m, gate, need_alpha=need[1],
