@@ -31,7 +31,7 @@ VERSION_SENSITIVE = frozenset({
     "test_train_distributed.py", "test_transformers_serve.py",
     "test_train_fsdp_precision.py", "test_train_kd.py", "test_train_resume.py", "test_triton_kernels.py",
     "test_user_paths.py", "test_variants.py", "test_variants_distributed.py", "test_vllm.py",
-    "test_vllm_lm_eval.py", "test_vllm_no_package.py", "test_vllm_serve.py", "test_vllm_tp.py",
+    "test_vllm_lm_eval.py", "test_vllm_no_package.py", "test_vllm_serve.py", "test_vllm_sinks.py", "test_vllm_tp.py",
 })
 
 # Python logic over results (metrics, reports, plots, claims, configs, CLI wording, data packing, run folders, the
@@ -42,6 +42,7 @@ VERSION_INDEPENDENT = frozenset({
     "test_compare_tasks.py", "test_config_validation.py", "test_corpus.py",
     "test_data_backcopy.py", "test_dryrun.py", "test_e2e_compare.py", "test_eval_tasks_cli.py", "test_gradstats.py",
     "test_metrics_reader.py", "test_newcomer.py", "test_plots.py", "test_prepare_data.py", "test_report.py",
-    "test_run_lock.py", "test_sink_probe.py", "test_stream_ranks.py", "test_suites.py", "test_train_compare.py",
+    "test_run_lock.py", "test_serving_sinks.py", "test_sink_probe.py", "test_stream_ranks.py", "test_suites.py",
+    "test_train_compare.py",
     "test_train_config.py", "test_train_data.py", "test_train_optim.py", "test_train_trainer.py",
 })

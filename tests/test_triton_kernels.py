@@ -4,6 +4,10 @@
 - Numerics: the kernels under the interpreter (TRITON_INTERPRET=1, in a subprocess so the flag is set before triton
   is imported) against the eager reference, once with CUDA's grid limits and once with lowered limits that fold
   the blocks of queries over grid axes 1 and 2 on small tensors.
+- In compiled graphs: torch.compile(fullgraph=True) through AOTAutograd sees the epilogue as the registered operators
+  (`affine_attention::epilogue` and its registered backward), whose graphs launch the forward kernel forward and the
+  backward kernel backward; on fake CUDA tensors (inference: the autograd engine needs a real GPU for CUDA tensors) and
+  on meta tensors standing in for CUDA in training.
 - Compilation: every specialisation the launchers produce, compiled to PTX and cubin for sm_90 (ptxas ships in the
   triton wheel), without register spills and with every pointer offset and product in 64 bits. The launchers run
   on meta tensors with the kernels swapped for recorders, so the specialisations come from the launchers' own code.
@@ -103,7 +107,7 @@ def test_launch_grid_for_every_head_dim_and_the_fold_arithmetic():
 
 
 class _Recorder:
-    """Stands in for a @triton.jit kernel: records each launch (kernel, grid, arguments) instead of running it."""
+    """Stands in for wrap_triton(kernel): records each launch (kernel, grid, arguments) instead of running it."""
 
     def __init__(self, kernel, launches):
         self.kernel, self.launches = kernel, launches
@@ -115,14 +119,14 @@ class _Recorder:
 @contextlib.contextmanager
 def _recorded_launches():
     """Within the block the launchers record their launches into the list yielded; nothing runs, so meta tensors
-    (no storage, any size) serve as operands."""
+    (no storage, any size) serve as operands. The launchers launch through `wrap_triton`, swapped here."""
     launches = []
-    saved = et._epilogue_fwd, et._epilogue_bwd
-    et._epilogue_fwd, et._epilogue_bwd = _Recorder(saved[0], launches), _Recorder(saved[1], launches)
+    saved = et.wrap_triton
+    et.wrap_triton = lambda kernel: _Recorder(kernel, launches)
     try:
         yield launches
     finally:
-        et._epilogue_fwd, et._epilogue_bwd = saved
+        et.wrap_triton = saved
 
 
 def _meta(*shape, dtype):
@@ -248,6 +252,117 @@ def test_triton_kernels_match_eager_under_the_interpreter(limits):
                        text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "triton epilogue ok" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# In compiled graphs: the registered operators, forward and backward.
+
+def _graphs_of(fn, *args):
+    """{"dynamo", "forward", "backward"}: the graphs torch.compile(fullgraph=True) makes of fn(*args) through
+    AOTAutograd (the graphs AOTAutograd hands a backend such as inductor), and fn's output; "backward" once the
+    caller's backward ran."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, _):
+            graphs[name] = gm
+            return make_boxed_func(gm)
+        return compiler
+
+    def backend(gm, example_inputs):
+        graphs["dynamo"] = gm
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+
+    torch._dynamo.reset()
+    return graphs, torch.compile(fn, backend=backend, fullgraph=True)(*args)
+
+
+def _launched(gm):
+    """The Triton kernels (their JITFunctions) a graph launches, in order."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    kernels = []
+    for node in gm.graph.nodes:
+        if "triton_kernel_wrapper" in str(node.target):
+            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+            kernels.append(getattr(kernel, "fn", kernel))  # a launch with num_warps is a one-config Autotuner
+    return kernels
+
+
+def _called(gm):
+    return [node.target for node in gm.graph.nodes if node.op == "call_function"]
+
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="fake CUDA tensors need torch's CUDA build")
+def test_compiled_epilogue_on_cuda_is_the_registered_operator():
+    """Fake CUDA tensors: the device picks the Triton epilogue, and the compiled graph holds the registered operator,
+    whose AOT graph launches the forward kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from affine_attention.ops.epilogue import epilogue
+
+    with FakeTensorMode():
+        out, alpha, am, m, gate = (torch.empty(s, device="cuda", dtype=d) for s, d in (
+            ((2, 4, 5, 64), torch.bfloat16), ((2, 4, 5), torch.float32), ((4,), torch.float32),
+            ((2, 2, 5, 64), torch.bfloat16), ((2, 4, 5, 1), torch.bfloat16)))
+        graphs, y = _graphs_of(lambda *a: epilogue(a[0], alpha=a[1], alpha_ma=a[2], v_mean=a[3], gate=a[4]),
+                               out, alpha, am, m, gate)
+    assert (y.shape, y.dtype, y.device.type) == ((2, 4, 5, 64), torch.bfloat16, "cuda")
+    assert _called(graphs["dynamo"]) == [torch.ops.affine_attention.epilogue]
+    assert _launched(graphs["forward"]) == [et._epilogue_fwd]
+
+
+@pytest.fixture
+def triton_on_meta(monkeypatch):
+    """The epilogue picks its Triton implementation for meta tensors, standing in for CUDA ones (whose backward the
+    autograd engine cannot run without a GPU: "hasPrimaryContext expects a valid device index")."""
+    from affine_attention.ops import epilogue
+
+    monkeypatch.setattr(epilogue, "select_impl", lambda device, impl=None: "triton")
+
+
+def _meta_operands():
+    """out (2, 4, 6, 64), v (2, 2, 6, 64) bf16; alpha (2, 4, 6), alpha_ma (4,) float32; gate (2, 4, 6, 64) bf16."""
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.empty(shape, device="meta", dtype=dtype, requires_grad=True)
+    return t(2, 4, 6, 64), t(2, 2, 6, 64), t(2, 4, 6, dtype=torch.float32), t(4, dtype=torch.float32), t(2, 4, 6, 64)
+
+
+# (name, the epilogue's call): the mean given (its registered backward), the mean of V recomputed in backward (the
+# Function around the registered operators), a gate alone.
+COMPILED_PATHS = {
+    "v_mean": lambda o, v, a, am, g: _epilogue()(o, alpha=a, alpha_ma=am, v_mean=v, gate=g),
+    "mean_of_v": lambda o, v, a, am, g: _epilogue()(o, alpha=a, alpha_ma=am, v=v, mask=_causal()),
+    "gate": lambda o, v, a, am, g: _epilogue()(o, gate=g),
+}
+
+
+def _epilogue():
+    from affine_attention.ops.epilogue import epilogue
+    return epilogue
+
+
+def _causal():
+    from affine_attention.ops.masks import parse_mask
+    return parse_mask(None, True, 2, 4, 6, 6, torch.device("meta"))
+
+
+@pytest.mark.parametrize("path", COMPILED_PATHS)
+def test_compiled_training_launches_the_registered_backward(path, triton_on_meta):
+    """Training, fullgraph: the forward graph launches the forward kernel and the backward graph the backward kernel
+    (a graph that differentiated the epilogue as zero, or around it, would not), every input gets its gradient."""
+    out, v, alpha, am, gate = _meta_operands()
+    graphs, y = _graphs_of(COMPILED_PATHS[path], out, v, alpha, am, gate)
+    y.float().sum().backward()
+    if path != "mean_of_v":  # the registered operator itself, not an autograd.Function around a launch
+        assert _called(graphs["dynamo"]) == [torch.ops.affine_attention.epilogue]
+    assert _launched(graphs["forward"]) == [et._epilogue_fwd]
+    assert _launched(graphs["backward"]) == [et._epilogue_bwd]
+    used = {"v_mean": (out, v, alpha, am, gate), "mean_of_v": (out, v, alpha, am), "gate": (out, gate)}[path]
+    assert all(t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype for t in used)
 
 
 # ---------------------------------------------------------------------------------------------------------------

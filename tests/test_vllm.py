@@ -44,9 +44,12 @@ def _prompts() -> dict[str, list[list[int]]]:
             "prefix_shared": [prefix + p(7), prefix + p(2)]}
 
 
-def run_worker(dirs: list[str], modes: dict, timeout: int = 900, tensor_parallel_size: int = 1) -> dict[str, dict]:
-    """One process running one vLLM engine per folder, in turn: {folder: {"result": ...} or {"error": ...}}."""
-    job = {"max_tokens": MAX_TOKENS, "modes": modes, "dirs": dirs, "tensor_parallel_size": tensor_parallel_size}
+def run_worker(dirs: list[str], modes: dict, timeout: int = 900, tensor_parallel_size: int = 1,
+               extra: dict | None = None) -> dict[str, dict]:
+    """One process running one vLLM engine per folder, in turn: {folder: {"result": ...} or {"error": ...}}. extra:
+    more of the worker's job keys (tests/vllm_worker.py)."""
+    job = {"max_tokens": MAX_TOKENS, "modes": modes, "dirs": dirs, "tensor_parallel_size": tensor_parallel_size,
+           **(extra or {})}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_worker.py"), json.dumps(job)], env=env,
                           capture_output=True, text=True, timeout=timeout)

@@ -4,8 +4,9 @@ O is a softmax kernel's output, m the mean of the values each query may see (aff
 output gate or a per-head scale; every part is optional. One autograd.Function serves affine, gated, affine_gated
 and scaled_softmax (the sink lives in the kernel, see backends/__init__.py). It saves only tensors other nodes hold
 anyway (O, V, alpha, the gate): where m is a prefix sum of V it is recomputed in backward, not saved. On CUDA the
-combine runs as one Triton kernel (epilogue_triton.py), elsewhere as a few eager tensor ops (`_eager`, also the
-readable form of both). `impl=` or `use_epilogue(...)` forces one; a forced one that cannot run raises.
+combine runs as one Triton kernel each way, through registered operators (epilogue_triton.py: with m given, the
+forward operator and its registered backward, no Function here), elsewhere as a few eager tensor ops (`_eager`, also
+the readable form of both). `impl=` or `use_epilogue(...)` forces one; a forced one that cannot run raises.
 """
 from __future__ import annotations
 
@@ -120,6 +121,8 @@ def epilogue(out: Tensor, *, alpha: Tensor | None = None, alpha_ma: Tensor | Non
             mean = ValueMean(mask, Hq, bias_norm)
             if not mean.has_transpose:
                 v_mean, v, mean = mean.of(v), None, None  # differentiated by autograd, kept for backward
+    if name == "triton" and v is None:
+        return _kernels(name).forward(out, alpha, alpha_ma, v_mean, g)  # differentiable: its backward is registered
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad
                                               for t in (out, alpha, alpha_ma, g, v_mean, v)):
         if v is not None:
@@ -130,15 +133,16 @@ def epilogue(out: Tensor, *, alpha: Tensor | None = None, alpha_ma: Tensor | Non
 
 def _kernels(name: str):
     if name == "triton":
-        from . import epilogue_triton
-        return epilogue_triton
+        from .epilogue_triton import OPS
+        return OPS
     return _eager
 
 
 class _Epilogue(torch.autograd.Function):
     """Forward through one implementation; backward calls the same one, after recomputing m from v where it is a
     prefix sum (then d v comes from ValueMean's hand-written transpose). While compiling, nothing here returns a
-    tensor made by an in-place or out= op: dynamo 2.11 silently gives such a Function zero gradients."""
+    tensor made by an in-place or out= op, a raw Triton launch included: dynamo 2.11 silently gives such a Function
+    zero gradients (the Triton kernels run here as registered operators, whose outputs are their own)."""
 
     @staticmethod
     def forward(ctx, name, out, alpha, alpha_ma, gate, v_mean, v, mean):

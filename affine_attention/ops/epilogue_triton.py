@@ -1,6 +1,12 @@
-"""The variant epilogue as Triton kernels: one pass forward, one pass backward (imported only when selected).
+"""The variant epilogue as Triton kernels: one pass forward, one pass backward (imported only when selected), and
+the registered operators through which they enter every graph (`OPS`).
 
-Same contract as the eager form in epilogue.py: forward(out, alpha, alpha_ma, m, gate) and backward(...). Every
+The launchers `forward(out, alpha, alpha_ma, m, gate)` and `backward(...)` keep the eager form's contract
+(epilogue.py). They are the bodies of two `torch.library.triton_op`s, `affine_attention::epilogue` (with its
+backward registered by `register_autograd`) and `affine_attention::epilogue_backward`, and launch through
+`wrap_triton`: torch.compile then sees each kernel as a functional node of its graph, with the backward kernel in the
+backward graph, instead of a raw launch that writes into a fresh tensor (which dynamo 2.11 silently differentiates
+as zero inside an autograd.Function). Every
 operand is read through its strides, a broadcast dimension with stride 0, so GQA (m per KV head), a decoding mean
 (T = 1), headwise gates and per-head scales need no copy. The backward runs one program per KV head and block of
 queries and loops over the query heads of its group, so d m is summed without atomics. Runs on CPU tensors under
@@ -19,8 +25,11 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import register_autograd, triton_op
+from triton.runtime.interpreter import InterpretedFunction
 
 from .._compat import float_acc
+from ._once import once_differentiable
 
 # CUDA's limits on a launch grid, in blocks per axis (x, y, z). Read at each launch, so a test can lower them to
 # run the folded path on small tensors.
@@ -142,6 +151,12 @@ def _epilogue_bwd(DY, O, A, AMA, M, Gt, DO, DA, DAMR, DG, DM, T, D, Hm, GRP,
         tl.store(DM + ((b * Hm + hm) * T + t) * D + d, dm, mask=msk)
 
 
+def wrap_triton(kernel):
+    """torch.library.wrap_triton(kernel): the kernel as a node of any graph traced through it. An interpreted one
+    (TRITON_INTERPRET=1, the CPU tests; eager only) is launched as it is, as torch 2.13 does itself and 2.11 refuses."""
+    return kernel if isinstance(kernel, InterpretedFunction) else torch.library.wrap_triton(kernel)
+
+
 def _strides(x: Tensor | None, n: int) -> tuple[int, ...]:
     """x's strides with 0 on broadcast (size-1) dimensions; zeros for an absent operand."""
     if x is None:
@@ -196,7 +211,7 @@ def forward(out: Tensor, alpha: Tensor | None, alpha_ma: Tensor | None, m: Tenso
     grp = Hq // m.shape[1] if affine else 1
     grid, block_t, block_d = launch_grid(B, Hq, T, D, tile_elements(FWD_ELEMENTS, out.dtype), GRID_LIMITS)
     dummy = out  # never read: its AFFINE / GATE flag is off
-    _epilogue_fwd[grid](
+    wrap_triton(_epilogue_fwd)[grid](
         out, alpha if affine else dummy, alpha_ma if affine else dummy, m if affine else dummy,
         gate if gate is not None else dummy, y, T, D, Hq, grp,
         *_strides(out, 4), *_strides(alpha, 3), *_strides(m, 4), *_strides(gate, 4), *y.stride()[:3],
@@ -226,7 +241,7 @@ def backward(grad: Tensor, out: Tensor, alpha: Tensor | None, alpha_ma: Tensor |
     if d_out.numel():
         grid, block_t, block_d = launch_grid(B, Hm, T, D, tile_elements(BWD_ELEMENTS, out.dtype), GRID_LIMITS)
         dummy = out
-        _epilogue_bwd[grid](
+        wrap_triton(_epilogue_bwd)[grid](
             grad, out, *(x if x is not None else dummy for x in (alpha, alpha_ma, m, gate)), d_out,
             *(x if x is not None else dummy for x in (d_alpha, d_am_rows, d_gate, d_m)), T, D, Hm, Hq // Hm,
             *_strides(grad, 4), *_strides(out, 4), *_strides(alpha, 3), *_strides(m, 4),
@@ -241,3 +256,62 @@ def backward(grad: Tensor, out: Tensor, alpha: Tensor | None, alpha_ma: Tensor |
     return (d_out, None if d_alpha is None else d_alpha.to(alpha.dtype),
             None if d_am_rows is None else d_am_rows.sum((0, 2)).to(alpha_ma.dtype),
             d_gate, None if d_m is None else d_m.sum_to_size(m.shape).to(m.dtype))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The registered operators. Their schemas take no None gradient back, so the backward returns an empty tensor in
+# place of each gradient not asked for; `OPS.backward` turns those into None again, from the same flags.
+
+@triton_op("affine_attention::epilogue", mutates_args=())
+def _epilogue_op(out: Tensor, alpha: Tensor | None, alpha_ma: Tensor | None, m: Tensor | None,
+                 gate: Tensor | None) -> Tensor:
+    """y (B, Hq, T, D) from out (B, Hq, T, D), alpha (B, Hq, T), alpha_ma (Hq,), m (B, Hm, T|1, D), gate rank 4."""
+    return forward(out, alpha, alpha_ma, m, gate)
+
+
+@triton_op("affine_attention::epilogue_backward", mutates_args=())
+def _epilogue_backward_op(grad: Tensor, out: Tensor, alpha: Tensor | None, alpha_ma: Tensor | None, m: Tensor | None,
+                          gate: Tensor | None, need_alpha: bool, need_alpha_ma: bool, need_gate: bool,
+                          need_m: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(d out, d alpha, d alpha_ma, d gate, d m), each in its input's shape, or (0,) where not needed; grad like out."""
+    grads = backward(grad, out, alpha, alpha_ma, m, gate, need_alpha=need_alpha, need_alpha_ma=need_alpha_ma,
+                     need_gate=need_gate, need_m=need_m)
+    return tuple(out.new_empty(0) if g is None else g for g in grads)
+
+
+class OPS:
+    """The epilogue.py contract (forward, backward) through the registered operators: what the package calls."""
+
+    @staticmethod
+    def forward(out: Tensor, alpha: Tensor | None, alpha_ma: Tensor | None, m: Tensor | None,
+                gate: Tensor | None) -> Tensor:
+        """As `forward`; differentiable (the registered backward) where an input requires grad."""
+        return torch.ops.affine_attention.epilogue(out, alpha, alpha_ma, m, gate)
+
+    @staticmethod
+    def backward(grad: Tensor, out: Tensor, alpha: Tensor | None, alpha_ma: Tensor | None, m: Tensor | None,
+                 gate: Tensor | None, *, need_alpha: bool, need_alpha_ma: bool, need_gate: bool, need_m: bool):
+        """As `backward`: (d out, d alpha, d alpha_ma, d gate, d m), each None where not needed."""
+        affine = alpha is not None
+        needs = (True, affine and need_alpha, affine and need_alpha_ma, gate is not None and need_gate,
+                 affine and need_m)
+        grads = torch.ops.affine_attention.epilogue_backward(grad, out, alpha, alpha_ma, m, gate, needs[1], needs[2],
+                                                             needs[3], needs[4])
+        return tuple(g if need else None for g, need in zip(grads, needs))
+
+
+def _save_inputs(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)  # out, alpha, alpha_ma, m, gate: held by other nodes anyway
+
+
+@once_differentiable("the variant epilogue")  # a second derivative raises, naming what to use instead
+def _differentiate(ctx, grad):
+    """grad (B, Hq, T, D) -> gradients in the operator's argument order (out, alpha, alpha_ma, m, gate)."""
+    out, alpha, alpha_ma, m, gate = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    d_out, d_alpha, d_alpha_ma, d_gate, d_m = OPS.backward(grad, out, alpha, alpha_ma, m, gate, need_alpha=need[1],
+                                                           need_alpha_ma=need[2], need_gate=need[4], need_m=need[3])
+    return d_out if need[0] else None, d_alpha, d_alpha_ma, d_m, d_gate
+
+
+register_autograd("affine_attention::epilogue", _differentiate, setup_context=_save_inputs)

@@ -6,7 +6,8 @@ The affine combine needs, per query, the mean of the values it may see. Softmax 
 that mean, so one all-zero query head is appended to each KV-head group in the same attention call: vLLM's kernel
 then averages the visible values under whatever mask it applies (causal, sliding window, chunked prefill, prefix
 caching), at (G + 1) / G of the attention cost for G query heads per KV head. Sinks are passed to vLLM's attention
-as its native `sinks`; a backend without them is refused, never run without the sink. Under tensor parallelism each
+as its native `sinks`, in the dtype and under the head limit of the backend vLLM picks for the layer (vllm_sinks.py);
+a backend that cannot take them is refused, never run without the sink. Under tensor parallelism each
 rank holds its query heads' part of the variant weights, checked against the whole variant at load.
 """
 from __future__ import annotations
@@ -27,16 +28,13 @@ from ..ops.epilogue import epilogue
 from ..variants import AttentionShape, build_variant, get_variant
 from ..variants.base import Prologue
 from .vllm import SERVED, architecture
+from .vllm_sinks import Refused, backend_key, sink_dtype
 
 logger = logging.getLogger(__name__)
 #: Prologue fields this module applies; a variant whose prologue sets any other field is refused.
 _APPLIED = {"alpha", "alpha_ma", "gate", "sinks", "bias_norm"}
 _HELP = ("serve it with transformers (`affine_attention` + AutoModelForCausalLM.from_pretrained and generate), "
          "or open an issue naming the family and variant")
-
-
-class Refused(ValueError):
-    """A converted checkpoint this plugin cannot serve exactly (family, variant, backend or parallel layout)."""
 
 
 def servable(spec: dict, family: str) -> str | None:
@@ -70,29 +68,36 @@ class VariantAttention(nn.Module):
         super().__init__()
         self.variant_ref = [variant]  # the parameters live at self_attn.attn_variant (checkpoint names)
         self.Hq, self.Hkv, self.D = old.num_heads, old.num_kv_heads, old.head_size
-        self.mean_head = mean_head
-        # Filled by the sink variant's prologue once its weights are loaded (`refresh_sinks`); the kernel reads it.
-        self.sink_logits = torch.zeros(self.Hq, dtype=torch.float32) if sinks else None
+        self.mean_head, self.model_dtype = mean_head, config.model_config.dtype
+        heads = self.Hq + (self.Hkv if mean_head else 0)
+        cap = getattr(old.impl, "logits_soft_cap", None) or None
+        extra, key = {}, None
+        self.sink_logits = None  # (Hq,) in the backend's sink dtype: filled once the weights are loaded (refresh_sinks)
+        if sinks:
+            # A backend outside SINK_SUPPORT is refused there (CPU_ATTN applies s_aux without declaring supports_sink,
+            # so vLLM's own flag decides nothing here).
+            backend, key = _sink_backend(old, self.model_dtype, cap)
+            self.sink_logits = torch.zeros(self.Hq, dtype=sink_dtype(key, self.model_dtype, heads))
+            extra = {"sinks": self.sink_logits, "attn_backend": backend}
         name = old.layer_name
         context = config.compilation_config.static_forward_context
         del context[name]  # the replacement takes over this layer's name, hence its KV cache
-        cap = getattr(old.impl, "logits_soft_cap", None) or None
-        extra = {"sinks": self.sink_logits} if sinks else {}
-        self.inner = Attention(self.Hq + (self.Hkv if mean_head else 0), self.D, old.impl.scale,
+        self.inner = Attention(heads, self.D, old.impl.scale,
                                num_kv_heads=self.Hkv, cache_config=config.cache_config, quant_config=old.quant_config,
                                logits_soft_cap=cap, per_layer_sliding_window=old.sliding_window, prefix=name,
                                attn_type=old.attn_type, **extra)
-        if sinks and not _takes_sinks(self.inner, self.sink_logits):
-            raise Refused(f"vLLM's attention backend {self.inner.attn_backend.get_name()} has no attention sinks, "
-                          f"which variant {variant.name!r} needs; serving without them would compute another "
-                          "attention: choose a backend with sinks (the CPU backend has them)")
+        if sinks:
+            ran = backend_key(backend.get_name(), getattr(self.inner.impl, "vllm_flash_attn_version", None))
+            if ran != key:
+                raise Refused(f"{name}: vLLM runs its attention as {ran}, not {key}, the backend its sinks were "
+                              "made for")
         self.x: Tensor | None = None  # the layer's attention input, set by the attention module just before
 
     def refresh_sinks(self) -> None:
         if self.sink_logits is not None:
-            p = self.variant_ref[0].prologue(self.sink_logits.new_zeros(1, 1, self.variant_ref[0].shape.hidden_size),
-                                             None)
-            self.sink_logits.copy_(p.sinks.float())
+            variant = self.variant_ref[0]
+            x = torch.zeros(1, 1, variant.shape.hidden_size, dtype=self.model_dtype, device=self.sink_logits.device)
+            self.sink_logits.copy_(variant.prologue(x, None).sinks)  # converted to the backend's sink dtype
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         x, self.x = self.x, None
@@ -125,10 +130,22 @@ def combine(o: Tensor, p: Prologue, Hq: int, Hkv: int, D: int, mean_head: bool) 
     return out[0].transpose(0, 1).reshape(N, Hq * D)
 
 
-def _takes_sinks(attn: Attention, sinks: Tensor) -> bool:
-    """Whether `attn`'s backend applies the sink logits it was built with. CPU_ATTN applies them (as `s_aux`) without
-    declaring `supports_sink`; its implementation then holds this very tensor."""
-    return attn.attn_backend.supports_sink() or getattr(attn.impl, "sinks", None) is sinks
+def _sink_backend(old: Attention, model_dtype: torch.dtype, cap: float | None):
+    """(backend class, SINK_SUPPORT key): the backend vLLM's selector picks for layer `old` with sinks (it may differ
+    from the one picked without them), passed to the new Attention as is; for FlashAttention the version its
+    implementation will run, as it asks for it (FA3 and FA4 take sinks in different limits)."""
+    from vllm.v1.attention.selector import get_attn_backend
+
+    backend = get_attn_backend(old.head_size, model_dtype, old.kv_cache_dtype, has_sink=True,
+                               use_mm_prefix=old.use_mm_prefix, attn_type=old.attn_type,
+                               has_sliding_window=old.sliding_window is not None)
+    version = None
+    if backend.get_name() == "FLASH_ATTN":
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
+        version = get_flash_attn_version(head_size=old.head_size, has_sinks=True, requires_softcap=bool(cap),
+                                         supports_fa4_hd256=True)
+    return backend, backend_key(backend.get_name(), version)
 
 
 def _hidden_states_index(forward) -> int:
