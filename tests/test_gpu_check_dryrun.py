@@ -206,3 +206,34 @@ def test_gpu_check_model_rows_dry_run(tmp_path):
         assert float(r["step ms"]) > 0 and float(r["step / unconverted"]) > 0, r
         assert r["backends"] == ("transformers" if r["variant"] == "unconverted" else "cpu_flash"), r
         assert r["FA3 step / unconverted"] == "not run (no CUDA)", r
+
+
+class _Refuse:
+    """A meta-path finder under which `flash_attn_interface` cannot be imported (as on the lent GPU machine)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "flash_attn_interface":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+def test_fa3_column_without_its_package_costs_the_column_not_the_rows(monkeypatch):
+    """torch lists FA3 whether or not `flash_attn_interface` is installed, and activating it then raises: the model
+    rows' FA3 measurement must say "not available (...)" and leave FA2 in place, never raise out of the group."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from gpu_check_models import fa3_times
+
+    monkeypatch.delitem(sys.modules, "flash_attn_interface", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_Refuse(), *sys.meta_path])
+    attention = torch.nn.attention
+    if hasattr(attention, "list_flash_attention_impls"):
+        assert "FA3" in attention.list_flash_attention_impls()  # listed, yet not importable: the trap
+    measured = []
+    times, note = fa3_times(torch.device("cuda"), lambda: measured.append(1) or {"unconverted": (1.0, 1.0)})
+    assert times is None and measured == [], (times, note)
+    assert note.startswith("not available (ModuleNotFoundError: No module named 'flash_attn_interface'"), note
+    if hasattr(attention, "current_flash_attention_impl"):
+        assert attention.current_flash_attention_impl() in (None, "FA2"), attention.current_flash_attention_impl()
+    assert fa3_times(torch.device("cpu"), lambda: measured.append(1)) == (None, "not run (no CUDA)")
