@@ -326,6 +326,42 @@ class Tracebacks:
         return f"traceback #{self.n} in {os.path.basename(self.path)}"
 
 
+class Stopped(Exception):
+    """SIGTERM arrived (a polite kill at a time limit): end like a finished run, with what is done."""
+
+
+def supervised(name: str, out: str, report, say, body) -> int:
+    """Run body(log, tracebacks, start, live) as a script's whole run: its event log <out>.log and tracebacks file
+    <out>.tracebacks.txt; SIGTERM, or the script's own bug, ends it like a finished run (`say` records why in the
+    report); every worker still in `live` is killed; the report ends with the total time and its path is printed
+    last. Returns body's exit code (143 after SIGTERM, 1 after its own bug)."""
+    start = time.monotonic()
+    log, tracebacks, live = Log(out + ".log", start), Tracebacks(out + ".tracebacks.txt"), []
+    report.write()
+
+    def on_term(*_):
+        raise Stopped("SIGTERM")
+
+    signal.signal(signal.SIGTERM, on_term)
+    code = 1
+    try:
+        code = body(log, tracebacks, start, live)
+    except Stopped:
+        say(f"stopped by SIGTERM; {report.status.strip('_') or 'before the first group'}")
+        code = 143
+    except BaseException as e:  # noqa: BLE001  (the script's own bug: still keep every row, say where it broke)
+        ref = tracebacks.add(f"{name} itself", traceback.format_exc())
+        say(f"{name} itself failed: {type(e).__name__}: {e} ({ref}); {report.status.strip('_')}")
+    finally:
+        for w in live:  # whatever still runs would outlive this report
+            if w.proc.poll() is None:
+                w.proc.kill()
+        report.status = f"total {time.monotonic() - start:.0f} s"
+        report.write()
+        log(f"report: {out}")
+    return code
+
+
 # --- inputs and masks ---
 
 def make_case(B, Hq, Hkv, T, D, mask, window, device, dtype, seed=0):

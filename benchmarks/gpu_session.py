@@ -35,20 +35,18 @@ import argparse
 import fnmatch
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [p for p in (HERE, ROOT) if p not in sys.path]  # no install step: the source tree
 from affine_attention._files import atomic_write_text  # noqa: E402  (no torch at import)
-from gpu_check import COLUMNS as CONFIG_COLUMNS, NUM_COLUMNS, Stopped  # noqa: E402  (stdlib only at import)
+from gpu_check import COLUMNS as CONFIG_COLUMNS, NUM_COLUMNS  # noqa: E402  (stdlib only at import)
 from gpu_check_worker import (  # noqa: E402
-    JOBS, STARTUP_S, Log, Tracebacks, Worker, run_cuda_tests, run_group, worker_main,
+    JOBS, STARTUP_S, Log, Tracebacks, Worker, run_cuda_tests, run_group, supervised, worker_main,
 )
 from gpu_session_stages import KERNEL_COLUMNS, LLAMA_COLUMNS, flex_rows, kernel_rows, llama_rows  # noqa: E402
 
@@ -106,7 +104,7 @@ class Report:
     whole and atomically after every change, so the file is always a complete document of what is known."""
 
     def __init__(self, path: str):
-        self.path, self.env, self.status = path, "environment not known yet", ""
+        self.path, self.env, self.status, self.ending = path, "environment not known yet", "", []
         self.notes = {s: [] for s in STAGES}
         self.rows = {t: [] for t in TABLES}
 
@@ -129,7 +127,7 @@ class Report:
                 if s == stage and (self.rows[table] or not self.notes[stage]):
                     out += [f"{title}:", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
                     out += ["| " + " | ".join(r) + " |" for r in self.rows[table]] + [""]
-        return "\n".join(out + [self.status, ""])
+        return "\n".join(out + [n + "\n" for n in self.ending] + [self.status, ""])
 
     def write(self) -> None:
         atomic_write_text(self.path, self.render())
@@ -179,8 +177,8 @@ def run(args, report: Report, log: Log, tracebacks: Tracebacks, start: float, li
     report.write()
     log(f"environment: {report.env}")
     if ready and args.device == "cuda" and not ready["cuda"]:
-        report.status = "no CUDA device: run with --device cpu --quick for the dry run"
-        print(report.status, file=sys.stderr)
+        report.ending.append("no CUDA device: run with --device cpu --quick for the dry run")
+        print(report.ending[-1], file=sys.stderr)
         return 2
     spare, raw = first, {}  # spare: a started worker waiting for a job; raw: S1's raw SDPA-flash times by T
     workers = [j for j in jobs if j["kind"] != "pytest"]
@@ -245,35 +243,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args, SESSION_JOBS)
-    start = time.monotonic()
     args.out = os.path.abspath(args.out or os.path.join(tempfile.mkdtemp(prefix="gpu_session_"), "gpu_session.md"))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    report, log = Report(args.out), Log(args.out + ".log", start)
-    tracebacks, live = Tracebacks(args.out + ".tracebacks.txt"), []
-    report.write()
-
-    def on_term(*_):
-        raise Stopped("SIGTERM")
-
-    signal.signal(signal.SIGTERM, on_term)
-    code = 1
-    try:
-        code = run(args, report, log, tracebacks, start, live)
-    except Stopped:
-        report.status = f"stopped by SIGTERM; {report.status.strip('_')}"
-        code = 143
-    except BaseException as e:  # noqa: BLE001  (this script's own bug: still keep every row, say where it broke)
-        ref = tracebacks.add("gpu_session itself", traceback.format_exc())
-        report.status = f"gpu_session itself failed: {type(e).__name__}: {e} ({ref}); {report.status.strip('_')}"
-    finally:
-        for w in live:  # whatever still runs would outlive this report
-            if w.proc.poll() is None:
-                w.proc.kill()
-        report.status = (report.status + "\n\n" if not report.status.startswith("_") and report.status else "") + \
-            f"total {time.monotonic() - start:.0f} s"
-        report.write()
-        log(f"report: {args.out}")
-    return code
+    report = Report(args.out)
+    return supervised("gpu_session", args.out, report, report.ending.append,
+                      lambda log, tracebacks, start, live: run(args, report, log, tracebacks, start, live))
 
 
 if __name__ == "__main__":
