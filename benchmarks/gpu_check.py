@@ -44,7 +44,6 @@ import fnmatch
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,7 +54,8 @@ sys.path.insert(0, HERE)
 from gpu_check_models import CASES as MODEL_CASES, MODEL_COLUMNS  # noqa: E402  (stdlib only at import time)
 from gpu_check_models import model_rows  # noqa: E402
 from gpu_check_worker import (  # noqa: E402
-    JOBS, STARTUP_S, Log, Tracebacks, Worker, install, run_cuda_tests, run_group, supervised, worker_main,
+    JOBS, STARTUP_S, Log, Tracebacks, Worker, install, outcome_words, run_cuda_tests, run_group, supervised,
+    worker_main,
 )
 
 COLUMNS = ["T", "B", "Hq/Hkv", "mask", "variant", "backend", "sdpa kernel", "fwd ms", "fwd / softmax", "fwd+bwd ms",
@@ -241,17 +241,12 @@ def orchestrate(args, report: Report, log: Log, tracebacks: Tracebacks, start: f
         live.remove(w)
         log(f"group {gid}: {outcome} after {secs:.1f} s ({got['rows']} rows)", echo=False)
         if outcome != "done":
-            what = (f"timed out after {secs:.0f} s" + (" (the run's --deadline-s)" if outcome == "deadline" else "")
-                    if outcome in ("timeout", "deadline") else outcome[len("died: "):])
+            what = outcome_words(outcome, secs)
             ref = tracebacks.add(f"{gid}: {what}", w.evidence())
             cells = failure_cells(job, "(rest of group)" if got["rows"] else "all", f"failed: {what} ({ref})")
             log(report.add(job["table"], gid, cells))
-    if nxt is not None:  # a prefetched worker with no job left: end of input is its signal to exit
-        nxt.proc.stdin.close()
-        try:
-            nxt.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            nxt.proc.kill()
+    if nxt is not None:
+        nxt.dismiss()
         live.remove(nxt)
     if skipped:
         report.notes.append(f"skipped (past the time budget {args.budget_s:.0f} s or the deadline "

@@ -189,6 +189,14 @@ class Worker:
             self.proc.kill()
         self.proc.wait()
 
+    def dismiss(self) -> None:
+        """A started worker with no job left: end of input is its signal to exit."""
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
     def evidence(self) -> str:
         """The stack dump and the tail of its output, for the tracebacks file."""
         parts = []
@@ -199,6 +207,13 @@ class Worker:
                 text = ""
             parts.append(f"--- {what} ({self.name}{suffix}) ---\n{text.strip() or '(empty)'}")
         return "\n".join(parts)
+
+
+def outcome_words(outcome: str, secs: float) -> str:
+    """run_group's outcome other than "done", in the words of a `failed: ...` cell."""
+    if outcome in ("timeout", "deadline"):
+        return f"timed out after {secs:.0f} s" + (" (the run's clock)" if outcome == "deadline" else "")
+    return outcome[len("died: "):]
 
 
 def run_group(w: Worker, job: dict, limit_s: float, deadline: float, handle) -> tuple[str, float]:

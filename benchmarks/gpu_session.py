@@ -35,7 +35,6 @@ import argparse
 import fnmatch
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +45,7 @@ sys.path[:0] = [p for p in (HERE, ROOT) if p not in sys.path]  # no install step
 from affine_attention._files import atomic_write_text  # noqa: E402  (no torch at import)
 from gpu_check import COLUMNS as CONFIG_COLUMNS, NUM_COLUMNS  # noqa: E402  (stdlib only at import)
 from gpu_check_worker import (  # noqa: E402
-    JOBS, STARTUP_S, Log, Tracebacks, Worker, run_cuda_tests, run_group, supervised, worker_main,
+    JOBS, STARTUP_S, Log, Tracebacks, Worker, outcome_words, run_cuda_tests, run_group, supervised, worker_main,
 )
 from gpu_session_stages import KERNEL_COLUMNS, LLAMA_COLUMNS, flex_rows, kernel_rows, llama_rows  # noqa: E402
 
@@ -225,16 +224,11 @@ def run(args, report: Report, log: Log, tracebacks: Tracebacks, start: float, li
         live.remove(w)
         log(f"{job['id']}: {outcome} after {secs:.1f} s ({got['rows']} rows)", echo=False)
         if outcome != "done":
-            what = (f"timed out after {secs:.0f} s" + (" (the run's clock)" if outcome == "deadline" else "")
-                    if outcome in ("timeout", "deadline") else outcome[len("died: "):])
+            what = outcome_words(outcome, secs)
             ref = tracebacks.add(f"{job['id']}: {what}", w.evidence())
             log(report.add(job["table"], dict(job["key"], **{TABLES[job["table"]][3]: f"failed: {what} ({ref})"})))
-    if spare is not None:  # a started worker with no job left: end of input is its signal to exit
-        spare.proc.stdin.close()
-        try:
-            spare.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            spare.proc.kill()
+    if spare is not None:
+        spare.dismiss()
         live.remove(spare)
     return 0
 
