@@ -1,10 +1,14 @@
-"""The one prepared check for a lent GPU machine: install, the CUDA tests, then one markdown table of the attention
-kernels (time ratios to the same kernel's plain softmax, peak memory, bf16-vs-float64 errors, which SDPA kernel ran)
-and a small table of the Triton epilogue against the eager one. Under 8 minutes.
+"""The wider GPU sweep (benchmarks/gpu_session.py is the one prepared script for a lent machine): install, the CUDA
+tests, then one markdown table of the attention kernels (time ratios to the same kernel's plain softmax, peak memory,
+bf16-vs-float64 errors, which SDPA kernel ran) and a small table of the Triton epilogue against the eager one.
+
+Its whole schedule does not fit one ~9-minute loan: the flex CUDA tests reset dynamo before each test (more than the
+test stage's 210 s), the T = 16384 groups come last, and the model groups and the epilogue timing group fall past
+the 420 s budget. Run it in parts with --only (and --tests for the test files) on a longer loan.
 
 On the lent machine (one H200, Python 3.12, torch 2.11, no network), from the repository root:
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --install --out $OUT/gpu_check.md    # about 3-5 minutes
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --install --out $OUT/gpu_check.md --only "T1024-*"  # one part
 
 (with the device tool: that command, timeout_s 540; $OUT is the folder whose files come back).
 
@@ -40,113 +44,25 @@ import fnmatch
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from gpu_check_models import CASES as MODEL_CASES, MODEL_COLUMNS  # noqa: E402  (stdlib only at import time)
-from gpu_check_worker import STARTUP_S, Worker, run_group, worker_main  # noqa: E402
+from gpu_check_models import model_rows  # noqa: E402
+from gpu_check_worker import (  # noqa: E402
+    JOBS, STARTUP_S, Log, Tracebacks, Worker, install, outcome_words, run_cuda_tests, run_group, supervised,
+    worker_main,
+)
 
 COLUMNS = ["T", "B", "Hq/Hkv", "mask", "variant", "backend", "sdpa kernel", "fwd ms", "fwd / softmax", "fwd+bwd ms",
            "fwd+bwd / softmax", "peak MiB fwd+bwd", "err out", "err dq", "err dk", "err dv", "err dsinks/dalpha"]
 NUM_COLUMNS = ["dtype", "gate", "B, Hq/Hkv, T, D", "out", "d out", "d alpha", "d alpha_ma", "d gate", "d v_mean",
                "rel eager vs float64", "rel triton vs float64"]
 MASKS = ("causal", "padded", "documents", "window")
-
-
-def run_to_file(cmd: list[str], path: str, timeout: float, env: dict, interrupt=signal.SIGINT) -> tuple[int, bool]:
-    """Run cmd with its output appended to `path` as it comes (a file, not a pipe: a timeout keeps it); past
-    `timeout` send `interrupt` (pytest then prints its summary), then kill. Returns (exit code, timed out)."""
-    with open(path, "a") as f:
-        f.write(f"$ {' '.join(cmd)}\n")
-        f.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
-        try:
-            return proc.wait(timeout=timeout), False
-        except subprocess.TimeoutExpired:
-            proc.send_signal(interrupt)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            return proc.returncode, True
-
-
-def install(log, env: dict, timeout: float = 90.0) -> str:
-    """pip install --no-deps -e . (torch, transformers and triton are already on the lent machine). Offline, build
-    isolation cannot fetch setuptools, so the installed one (and no index) is tried first; pip has no overall
-    timeout of its own, hence the subprocess's. Returns one line for the report."""
-    base = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-input", "--disable-pip-version-check",
-            "--timeout", "10", "--retries", "0"]
-    for extra in (["--no-build-isolation", "--no-index"], []):
-        cmd = base + extra + ["-e", ROOT]
-        code, timed_out = run_to_file(cmd, log.path, timeout, env)
-        if code == 0 and not timed_out:
-            return f"installed: `pip install {' '.join(cmd[4:-2])} -e .`"
-        log(f"install attempt {'timed out' if timed_out else f'exit {code}'}")
-    return (f"install failed ({'timed out' if timed_out else f'exit {code}'}; see {os.path.basename(log.path)}); "
-            "running from the source tree instead")
-
-
-def run_cuda_tests(paths: list[str], out_path: str, timeout: float, env: dict) -> str:
-    """The tests marked `cuda` (they skip without a GPU), output streamed to out_path; pytest's summary line."""
-    # One process (the GPU is one device), and no project addopts: they name pytest-xdist, which the GPU machine's
-    # `pip install --no-deps -e .` does not bring.
-    cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-v", "-m", "cuda", "-p", "no:cacheprovider", "-rfE",
-           "--continue-on-collection-errors", *paths]
-    open(out_path, "w").close()
-    code, timed_out = run_to_file(cmd, out_path, timeout, env)
-    lines = [ln.strip() for ln in open(out_path, errors="replace").read().splitlines() if ln.strip()]
-    failures = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
-    summaries = [ln for ln in lines if ln.startswith("=") and (" in " in ln or "passed" in ln or "skipped" in ln)]
-    summary = summaries[-1].strip("= ") if summaries else (lines[-1][:300] if lines else "no output")
-    name = os.path.basename(out_path)
-    if timed_out:
-        done = {k: sum(ln.endswith(k) or f" {k} " in ln for ln in lines) for k in ("PASSED", "FAILED", "SKIPPED")}
-        statuses = (*done, "ERROR", "XFAIL", "XPASS")
-        running = [ln.split()[0] for ln in lines if "::" in ln and not any(k in ln for k in statuses)]
-        text = (f"CUDA tests (`pytest -m cuda {' '.join(paths)}`): timed out after {timeout:.0f} s, partial output in "
-                f"{name} ({', '.join(f'{v} {k.lower()}' for k, v in done.items())} before it"
-                f"{'; it was running ' + running[-1] if running else ''}; last: {summary})")
-    else:
-        text = f"CUDA tests (`pytest -m cuda {' '.join(paths)}`, exit {code}): {summary} (output in {name})"
-    return "\n".join([text] + [f"  {ln}" for ln in failures[:20]])
-
-
-class Log:
-    """Timestamped events, appended and flushed (subprocess output shares the file), echoed to stdout."""
-
-    def __init__(self, path: str, start: float):
-        self.path, self.start = path, start
-        open(path, "w").close()
-
-    def __call__(self, message: str, echo: bool = True) -> None:
-        with open(self.path, "a") as f:
-            f.write(f"[{time.monotonic() - self.start:7.1f} s] {message}\n")
-        if echo:
-            print(message, flush=True)
-
-
-class Tracebacks:
-    """<out>.tracebacks.txt, created at the first failure; each entry numbered so a table cell can point to it."""
-
-    def __init__(self, path: str):
-        self.path, self.n = path, 0
-
-    def add(self, title: str, text: str) -> str:
-        self.n += 1
-        with open(self.path, "a") as f:
-            f.write(f"=== #{self.n} {title} ===\n{text.rstrip()}\n\n")
-            f.flush()
-            os.fsync(f.fileno())
-        return f"traceback #{self.n} in {os.path.basename(self.path)}"
 
 
 class Report:
@@ -249,10 +165,6 @@ def parse_args(argv=None):
     return a
 
 
-class Stopped(Exception):
-    """SIGTERM arrived (a polite kill at a time limit): end like a finished run, with what is done."""
-
-
 def failure_cells(job: dict, label: str, text: str) -> dict:
     """The row that stands for a failed (part of a) group: its key, `label` as variant, `text` in the first cell."""
     if job["table"] == "main":
@@ -329,17 +241,12 @@ def orchestrate(args, report: Report, log: Log, tracebacks: Tracebacks, start: f
         live.remove(w)
         log(f"group {gid}: {outcome} after {secs:.1f} s ({got['rows']} rows)", echo=False)
         if outcome != "done":
-            what = (f"timed out after {secs:.0f} s" + (" (the run's --deadline-s)" if outcome == "deadline" else "")
-                    if outcome in ("timeout", "deadline") else outcome[len("died: "):])
+            what = outcome_words(outcome, secs)
             ref = tracebacks.add(f"{gid}: {what}", w.evidence())
             cells = failure_cells(job, "(rest of group)" if got["rows"] else "all", f"failed: {what} ({ref})")
             log(report.add(job["table"], gid, cells))
-    if nxt is not None:  # a prefetched worker with no job left: end of input is its signal to exit
-        nxt.proc.stdin.close()
-        try:
-            nxt.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            nxt.proc.kill()
+    if nxt is not None:
+        nxt.dismiss()
         live.remove(nxt)
     if skipped:
         report.notes.append(f"skipped (past the time budget {args.budget_s:.0f} s or the deadline "
@@ -350,35 +257,13 @@ def orchestrate(args, report: Report, log: Log, tracebacks: Tracebacks, start: f
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
-        return worker_main(args)
-    start = time.monotonic()
+        return worker_main(args, dict(JOBS, models=model_rows))
     args.out = os.path.abspath(args.out or os.path.join(tempfile.mkdtemp(prefix="gpu_check_"), "gpu_check.md"))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    report, log = Report(args.out, [j["id"] for j in plan(args)]), Log(args.out + ".log", start)
-    tracebacks, live = Tracebacks(args.out + ".tracebacks.txt"), []
-    report.write()
+    report = Report(args.out, [j["id"] for j in plan(args)])
+    return supervised("gpu_check", args.out, report, report.notes.append,
+                      lambda log, tracebacks, start, live: orchestrate(args, report, log, tracebacks, start, live))
 
-    def on_term(*_):
-        raise Stopped("SIGTERM")
-
-    signal.signal(signal.SIGTERM, on_term)
-    code = 1
-    try:
-        code = orchestrate(args, report, log, tracebacks, start, live)
-    except Stopped:
-        report.notes.append(f"stopped by SIGTERM; {report.status.strip('_') or 'before the first group'}")
-        code = 143
-    except BaseException as e:  # noqa: BLE001  (this script's own bug: still keep every row, say where it broke)
-        ref = tracebacks.add("gpu_check itself", traceback.format_exc())
-        report.notes.append(f"gpu_check itself failed: {type(e).__name__}: {e} ({ref}); {report.status.strip('_')}")
-    finally:
-        for w in live:  # whatever still runs would outlive this report
-            if w.proc.poll() is None:
-                w.proc.kill()
-        report.status = f"total {time.monotonic() - start:.0f} s"
-        report.write()
-        log(f"report: {args.out}")
-    return code
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,10 +2,13 @@
 needs more than plain causal: Gemma 2 (softcap, sliding layers) with right padding, Mistral (window) with right
 padding, and Llama on packed documents (no cu_seq_lens) -- eager and compiled (fullgraph), every variant against the
 unconverted model run the same way, with the backends that served its attention calls; the FA3 switch
-(`torch.nn.attention.activate_flash_attention_impl("FA3")`) as an extra column where torch and the GPU have it.
-torch is imported inside the functions (gpu_check_worker's rule: stdlib only at import time).
+(`torch.nn.attention.activate_flash_attention_impl("FA3")`) as an extra column where its package is installed.
+torch is imported inside the functions (gpu_check_worker's rule: stdlib only at import time); this module imports the
+worker's helpers, never the other way round (the worker runs whatever job table its script hands it).
 """
 from __future__ import annotations
+
+from gpu_check_worker import fmt, guarded, inject, optional_kernel, paired_times
 
 MODEL_COLUMNS = ["model", "batch", "mode", "variant", "backends", "step ms", "step / unconverted",
                  "FA3 step / unconverted"]
@@ -45,7 +48,7 @@ def _batch(case: str, vocab: int, B: int, T: int, device) -> dict:
             "labels": ids.masked_fill(attn == 0, -100).to(device)}
 
 
-def _served(step) -> str:
+def served_backends(step) -> str:
     """The backends the dispatcher chose while `step` ran (at trace time for a compiled step: its first call)."""
     from affine_attention.ops import backends
 
@@ -63,12 +66,26 @@ def _served(step) -> str:
     return ", ".join(sorted(set(seen))) or "—"
 
 
-def _fa3_available(device) -> bool:
+def fa3_times(device, measure) -> tuple[dict | None, str]:
+    """(measure() run with torch's FA3 swapped in for FA2, "") or (None, why not): the FA3 cell of a row.
+
+    torch lists FA3 (and FA4) whether or not their package is installed (they register at import), so availability
+    is decided by importing what the swap needs, and the swap itself runs inside the same guard: a missing package
+    costs this column, never the rows."""
     import torch
 
+    why = optional_kernel(device, ("flash_attn_interface",))
+    if why is not None:
+        return None, why
     attention = torch.nn.attention
-    return (device.type == "cuda" and hasattr(attention, "activate_flash_attention_impl")
-            and "FA3" in attention.list_flash_attention_impls())
+    try:
+        attention.activate_flash_attention_impl("FA3")
+    except Exception as e:  # noqa: BLE001  (an old torch without the switch, or a failed swap: the cell says which)
+        return None, f"not available ({type(e).__name__}: {e})"
+    try:
+        return measure(), ""
+    finally:
+        attention.restore_flash_attention_impl()
 
 
 def model_rows(args, rec, device, job: dict) -> None:
@@ -77,7 +94,6 @@ def model_rows(args, rec, device, job: dict) -> None:
 
     import affine_attention
     from affine_attention.hf.presets import build_model
-    from gpu_check_worker import fmt, guarded, inject, paired_times
 
     family, case, modes = job["family"], job["case"], (job["mode"],)
     inject(args, job["id"], None, device)
@@ -99,25 +115,19 @@ def model_rows(args, rec, device, job: dict) -> None:
                 loss = run(use_cache=False, **batch).loss
                 loss.backward()
                 model.zero_grad(set_to_none=True)
-            served[(mode, variant)] = _served(step) if variant != "unconverted" else "transformers"
+            served[(mode, variant)] = served_backends(step) if variant != "unconverted" else "transformers"
             steps[(mode, variant)] = step
-    fa3 = _fa3_available(device)
     for mode in modes:
         group = {v: steps[(mode, v)] for v in VARIANTS}
         times = paired_times(group, "unconverted", device, args.repeats, args.warmup)
-        fa3_times = None
-        if fa3:
-            torch.nn.attention.activate_flash_attention_impl("FA3")
-            try:
-                fa3_times = paired_times(group, "unconverted", device, args.repeats, args.warmup)
-            finally:
-                torch.nn.attention.restore_flash_attention_impl()
+        fa3, fa3_note = fa3_times(device, lambda group=group: paired_times(
+            group, "unconverted", device, args.repeats, args.warmup))
         for variant in VARIANTS:
             def row(variant=variant, mode=mode):
                 inject(args, job["id"], f"{mode} {variant}", device)
                 yield dict(job["key"], variant=variant, backends=served[(mode, variant)],
                            **{"step ms": fmt(times[variant][0] * 1e3, ".2f"),
                               "step / unconverted": fmt(times[variant][1], ".3f"),
-                              "FA3 step / unconverted": fmt(fa3_times[variant][1], ".3f") if fa3_times else
-                              "not available" if device.type == "cuda" else "not run (no CUDA)"})
+                              "FA3 step / unconverted": fmt(fa3[variant][1], ".3f") if fa3 else
+                              fa3_note})
             guarded(rec, device, "models", dict(job["key"], variant=variant), row)

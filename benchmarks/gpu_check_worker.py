@@ -1,6 +1,7 @@
-"""The torch side of benchmarks/gpu_check.py: one configuration group in one fresh Python process.
+"""The machinery of the GPU scripts (benchmarks/gpu_session.py, benchmarks/gpu_check.py): one group of measurements
+in one fresh Python process, and the parent's side that runs, times out and records those processes.
 
-The parent starts `gpu_check.py --worker BASE --device ... [--quick]`; this process imports torch (and, on a GPU,
+The parent starts `<script> --worker BASE --device ... [--quick]`; this process imports torch (and, on a GPU,
 creates its CUDA context) while the previous group still runs, appends {"ready": ...} to BASE.jsonl, then reads one
 job (a JSON line) from stdin, runs it and appends every finished row as a JSON line (flushed and fsynced, so a kill
 keeps it). Python-level failures become {"failed": ...} records with the full traceback; fatal signals and the
@@ -8,8 +9,10 @@ parent's SIGUSR1 (sent before it kills a timed-out group) dump every thread's st
 A sticky CUDA error (device-side assert, illegal address) ends this process only: the parent starts a fresh one
 for the next group.
 
-The parent's side of this protocol (Worker, run_group) lives here too, so both ends of it are read together; at
-import time this module needs only the standard library (torch is imported inside the functions that use it).
+The parent's side of this protocol (Worker, run_group, and the event log, tracebacks file and pytest runner both
+scripts write) lives here too, so both ends of it are read together; at import time this module needs only the
+standard library (torch is imported inside the functions that use it). It imports neither script nor their job
+modules: each script hands worker_main its own job table.
 """
 from __future__ import annotations
 
@@ -65,6 +68,22 @@ def cuda_usable(device) -> bool:
         return True
     except Exception:  # noqa: BLE001  (any error here means the context is gone)
         return False
+
+
+def optional_kernel(device, modules: tuple[str, ...]) -> str | None:
+    """None if an optional kernel can run here, else the words for its cells: "not run (no CUDA)", or "not
+    available (...)" when one of the modules it needs fails to import. Availability is what imports, never what a
+    registry lists (torch lists FA3 and FA4 whether or not their packages are installed)."""
+    import importlib
+
+    if device.type != "cuda":
+        return "not run (no CUDA)"
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001  (absent or broken: either way the kernel cannot run)
+            return f"not available ({type(e).__name__}: {e})"
+    return None
 
 
 def guarded(rec: Records, device, table: str, key: dict, rows) -> None:
@@ -170,6 +189,14 @@ class Worker:
             self.proc.kill()
         self.proc.wait()
 
+    def dismiss(self) -> None:
+        """A started worker with no job left: end of input is its signal to exit."""
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
     def evidence(self) -> str:
         """The stack dump and the tail of its output, for the tracebacks file."""
         parts = []
@@ -180,6 +207,13 @@ class Worker:
                 text = ""
             parts.append(f"--- {what} ({self.name}{suffix}) ---\n{text.strip() or '(empty)'}")
         return "\n".join(parts)
+
+
+def outcome_words(outcome: str, secs: float) -> str:
+    """run_group's outcome other than "done", in the words of a `failed: ...` cell."""
+    if outcome in ("timeout", "deadline"):
+        return f"timed out after {secs:.0f} s" + (" (the run's clock)" if outcome == "deadline" else "")
+    return outcome[len("died: "):]
 
 
 def run_group(w: Worker, job: dict, limit_s: float, deadline: float, handle) -> tuple[str, float]:
@@ -206,7 +240,9 @@ def run_group(w: Worker, job: dict, limit_s: float, deadline: float, handle) -> 
             sig = f" ({signal.Signals(-code).name})" if code < 0 and -code in signal.valid_signals() else ""
             return f"died: the worker exited with code {code}{sig}", time.monotonic() - (started or sent)
         now = time.monotonic()
-        limit = started + limit_s if started else w.spawned + STARTUP_S
+        # Not started yet: a worker still importing has STARTUP_S from its spawn; one that was ready (prefetched,
+        # maybe idle for minutes while a long group ran) reads the job at once.
+        limit = started + limit_s if started else sent + 60 if w.ready is not None else w.spawned + STARTUP_S
         if now > min(limit, deadline):
             w.stop()
             for rec in w.poll():
@@ -214,6 +250,131 @@ def run_group(w: Worker, job: dict, limit_s: float, deadline: float, handle) -> 
                     handle(rec)
             return ("timeout" if limit <= deadline else "deadline"), now - (started or sent)
         time.sleep(0.1)
+
+
+def run_to_file(cmd: list[str], path: str, timeout: float, env: dict, interrupt=signal.SIGINT) -> tuple[int, bool]:
+    """Run cmd with its output appended to `path` as it comes (a file, not a pipe: a timeout keeps it); past
+    `timeout` send `interrupt` (pytest then prints its summary), then kill. Returns (exit code, timed out)."""
+    with open(path, "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait(timeout=timeout), False
+        except subprocess.TimeoutExpired:
+            proc.send_signal(interrupt)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            return proc.returncode, True
+
+
+def install(log, env: dict, timeout: float = 90.0) -> str:
+    """pip install --no-deps -e . (torch, transformers and triton are already on the lent machine). Offline, build
+    isolation cannot fetch setuptools, so the installed one (and no index) is tried first; pip has no overall
+    timeout of its own, hence the subprocess's. Returns one line for the report."""
+    base = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-input", "--disable-pip-version-check",
+            "--timeout", "10", "--retries", "0"]
+    for extra in (["--no-build-isolation", "--no-index"], []):
+        cmd = base + extra + ["-e", ROOT]
+        code, timed_out = run_to_file(cmd, log.path, timeout, env)
+        if code == 0 and not timed_out:
+            return f"installed: `pip install {' '.join(cmd[4:-2])} -e .`"
+        log(f"install attempt {'timed out' if timed_out else f'exit {code}'}")
+    return (f"install failed ({'timed out' if timed_out else f'exit {code}'}; see {os.path.basename(log.path)}); "
+            "running from the source tree instead")
+
+
+def run_cuda_tests(paths: list[str], out_path: str, timeout: float, env: dict) -> str:
+    """The tests marked `cuda` (they skip without a GPU), output streamed to out_path; pytest's summary line."""
+    # One process (the GPU is one device), and no project addopts: they name pytest-xdist, which the GPU machine's
+    # `pip install --no-deps -e .` does not bring.
+    cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-v", "-m", "cuda", "-p", "no:cacheprovider", "-rfE",
+           "--continue-on-collection-errors", *paths]
+    open(out_path, "w").close()
+    code, timed_out = run_to_file(cmd, out_path, timeout, env)
+    lines = [ln.strip() for ln in open(out_path, errors="replace").read().splitlines() if ln.strip()]
+    failures = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
+    summaries = [ln for ln in lines if ln.startswith("=") and (" in " in ln or "passed" in ln or "skipped" in ln)]
+    summary = summaries[-1].strip("= ") if summaries else (lines[-1][:300] if lines else "no output")
+    name = os.path.basename(out_path)
+    if timed_out:
+        done = {k: sum(ln.endswith(k) or f" {k} " in ln for ln in lines) for k in ("PASSED", "FAILED", "SKIPPED")}
+        statuses = (*done, "ERROR", "XFAIL", "XPASS")
+        running = [ln.split()[0] for ln in lines if "::" in ln and not any(k in ln for k in statuses)]
+        text = (f"CUDA tests (`pytest -m cuda {' '.join(paths)}`): timed out after {timeout:.0f} s, partial output in "
+                f"{name} ({', '.join(f'{v} {k.lower()}' for k, v in done.items())} before it"
+                f"{'; it was running ' + running[-1] if running else ''}; last: {summary})")
+    else:
+        text = f"CUDA tests (`pytest -m cuda {' '.join(paths)}`, exit {code}): {summary} (output in {name})"
+    return "\n".join([text] + [f"  {ln}" for ln in failures[:20]])
+
+
+class Log:
+    """Timestamped events, appended and flushed (subprocess output shares the file), echoed to stdout."""
+
+    def __init__(self, path: str, start: float):
+        self.path, self.start = path, start
+        open(path, "w").close()
+
+    def __call__(self, message: str, echo: bool = True) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"[{time.monotonic() - self.start:7.1f} s] {message}\n")
+        if echo:
+            print(message, flush=True)
+
+
+class Tracebacks:
+    """<out>.tracebacks.txt, created at the first failure; each entry numbered so a table cell can point to it."""
+
+    def __init__(self, path: str):
+        self.path, self.n = path, 0
+
+    def add(self, title: str, text: str) -> str:
+        self.n += 1
+        with open(self.path, "a") as f:
+            f.write(f"=== #{self.n} {title} ===\n{text.rstrip()}\n\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return f"traceback #{self.n} in {os.path.basename(self.path)}"
+
+
+class Stopped(Exception):
+    """SIGTERM arrived (a polite kill at a time limit): end like a finished run, with what is done."""
+
+
+def supervised(name: str, out: str, report, say, body) -> int:
+    """Run body(log, tracebacks, start, live) as a script's whole run: its event log <out>.log and tracebacks file
+    <out>.tracebacks.txt; SIGTERM, or the script's own bug, ends it like a finished run (`say` records why in the
+    report); every worker still in `live` is killed; the report ends with the total time and its path is printed
+    last. Returns body's exit code (143 after SIGTERM, 1 after its own bug)."""
+    start = time.monotonic()
+    log, tracebacks, live = Log(out + ".log", start), Tracebacks(out + ".tracebacks.txt"), []
+    report.write()
+
+    def on_term(*_):
+        raise Stopped("SIGTERM")
+
+    signal.signal(signal.SIGTERM, on_term)
+    code = 1
+    try:
+        code = body(log, tracebacks, start, live)
+    except Stopped:
+        say(f"stopped by SIGTERM; {report.status.strip('_') or 'before the first group'}")
+        code = 143
+    except BaseException as e:  # noqa: BLE001  (the script's own bug: still keep every row, say where it broke)
+        ref = tracebacks.add(f"{name} itself", traceback.format_exc())
+        say(f"{name} itself failed: {type(e).__name__}: {e} ({ref}); {report.status.strip('_')}")
+    finally:
+        for w in live:  # whatever still runs would outlive this report
+            if w.proc.poll() is None:
+                w.proc.kill()
+        report.status = f"total {time.monotonic() - start:.0f} s"
+        report.write()
+        log(f"report: {out}")
+    return code
 
 
 # --- inputs and masks ---
@@ -606,17 +767,12 @@ def warm_up() -> None:
         pass
 
 
-def model_job(args, rec: Records, device, job: dict) -> None:
-    from gpu_check_models import model_rows
-
-    model_rows(args, rec, device, job)
+JOBS = {"config": bench_config, "epilogue": epilogue_rows, "numerics": epilogue_numerics}
 
 
-JOBS = {"config": bench_config, "epilogue": epilogue_rows, "numerics": epilogue_numerics, "models": model_job}
-
-
-def worker_main(args) -> int:
-    """Get ready (imports, CUDA context), run the one job read from stdin, record it; see the module docstring."""
+def worker_main(args, jobs: dict) -> int:
+    """Get ready (imports, CUDA context), run the one job read from stdin with jobs[job["kind"]], record it; see the
+    module docstring. The calling script hands over its job table (this module imports none of its callers)."""
     base = args.worker
     stack = open(base + ".stack.txt", "w")
     faulthandler.enable(file=stack, all_threads=True)
@@ -645,7 +801,7 @@ def worker_main(args) -> int:
     job = json.loads(line)
     rec.put(start=job["id"])
     try:
-        JOBS[job["kind"]](args, rec, device, job)
+        jobs[job["kind"]](args, rec, device, job)
     except Exception as e:  # noqa: BLE001  (the group's setup or timing failed: one row says so)
         rec.failure(job["table"], job["key"], e)
     finish(rec, 0)

@@ -20,7 +20,7 @@ VERSION_SENSITIVE = frozenset({
     "test_degenerate_inputs.py",
     "test_double_backward.py", "test_epilogue.py", "test_eval_cli.py", "test_eval_harness.py",
     "test_eval_perplexity.py", "test_families_enumerated.py", "test_gate_precision_nan.py",
-    "test_gpu_check_dryrun.py", "test_hardening.py",
+    "test_gpu_check_dryrun.py", "test_gpu_session_dryrun.py", "test_hardening.py",
     "test_hf_convert.py", "test_hf_families.py", "test_hf_generate.py", "test_hf_peft.py", "test_hf_presets.py",
     "test_hf_saveload.py", "test_hf_smollm2.py", "test_hf_spec_metadata.py", "test_layouts.py", "test_long_runs.py",
     "test_mask_shapes.py", "test_masks_structured.py", "test_no_txs.py", "test_nonfinite_queries.py",

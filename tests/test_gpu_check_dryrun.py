@@ -1,7 +1,9 @@
-"""The GPU check's CPU dry run (`benchmarks/gpu_check.py --device cpu --quick`): it runs to the end and writes its
-tables (every row, every column, errors that a bf16 kernel would have, which SDPA kernel ran), so the script runs the
-first time on a lent GPU; and it loses nothing when a step fails: a failing row or group, a killed or hung group, a
-hung CUDA test and a kill of the script itself each leave every finished row on disk and say what happened.
+"""The GPU check's CPU dry run (`benchmarks/gpu_check.py --device cpu --quick`, the wider sweep beside
+benchmarks/gpu_session.py): it runs to the end and writes its tables (every row, every column, errors that a bf16
+kernel would have, which SDPA kernel ran), so the script runs the first time on a lent GPU; and it loses nothing when a
+step fails: a failing row or group, a killed or hung group, a hung CUDA test and a kill of the script itself each leave
+every finished row on disk and say what happened. Also: the FA3 column decided by importing its package (torch lists
+FA3 without it), and no import circle among the GPU scripts' modules.
 
 GPU_CHECK_SCRIPT=path runs these tests against another copy of the script (e.g. an older revision, to see them fail).
 """
@@ -56,6 +58,7 @@ def traceback_entry(tb_text, cell):
     return tb_text.split(f"=== #{n} ")[1].split("\n=== #")[0]
 
 
+@pytest.mark.slow  # ~45 s; gpu_session's dry run (the default suite) runs the shared worker code every commit
 def test_gpu_check_cpu_dry_run(tmp_path):
     code, out, log = run(tmp_path)
     assert code == 0, log[-3000:]
@@ -206,3 +209,55 @@ def test_gpu_check_model_rows_dry_run(tmp_path):
         assert float(r["step ms"]) > 0 and float(r["step / unconverted"]) > 0, r
         assert r["backends"] == ("transformers" if r["variant"] == "unconverted" else "cpu_flash"), r
         assert r["FA3 step / unconverted"] == "not run (no CUDA)", r
+
+
+class _Refuse:
+    """A meta-path finder under which `flash_attn_interface` cannot be imported (as on the lent GPU machine)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "flash_attn_interface":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+def test_fa3_column_without_its_package_costs_the_column_not_the_rows(monkeypatch):
+    """torch lists FA3 whether or not `flash_attn_interface` is installed, and activating it then raises: the model
+    rows' FA3 measurement must say "not available (...)" and leave FA2 in place, never raise out of the group."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from gpu_check_models import fa3_times
+
+    monkeypatch.delitem(sys.modules, "flash_attn_interface", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_Refuse(), *sys.meta_path])
+    attention = torch.nn.attention
+    if hasattr(attention, "list_flash_attention_impls"):
+        assert "FA3" in attention.list_flash_attention_impls()  # listed, yet not importable: the trap
+    measured = []
+    times, note = fa3_times(torch.device("cuda"), lambda: measured.append(1) or {"unconverted": (1.0, 1.0)})
+    assert times is None and measured == [], (times, note)
+    assert note.startswith("not available (ModuleNotFoundError: No module named 'flash_attn_interface'"), note
+    if hasattr(attention, "current_flash_attention_impl"):
+        assert attention.current_flash_attention_impl() in (None, "FA2"), attention.current_flash_attention_impl()
+    assert fa3_times(torch.device("cpu"), lambda: measured.append(1)) == (None, "not run (no CUDA)")
+
+
+def test_gpu_scripts_import_no_module_back():
+    """benchmarks' GPU modules (gpu_*.py): no import circle, counting imports inside functions too; the worker
+    machinery imports none of the scripts or job modules that use it."""
+    import ast
+
+    folder = os.path.join(ROOT, "benchmarks")
+    names = {f[:-3] for f in os.listdir(folder) if f.startswith("gpu_") and f.endswith(".py")}
+    graph = {}
+    for name in names:
+        tree = ast.parse(open(os.path.join(folder, name + ".py")).read())
+        found = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        found |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        graph[name] = sorted(found & names)
+    assert graph["gpu_check_worker"] == [], graph
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in graph[start])
+
+    assert [n for n in sorted(names) if reaches(n, n)] == [], graph
