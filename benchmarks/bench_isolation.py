@@ -4,7 +4,11 @@ accelerator path (every row tested, as on CUDA or under torch.compile), and swit
 Ratios are medians over paired repeats in this process.
 
     python benchmarks/bench_isolation.py                      # T = 2048 and 4096, median of 7
+    python benchmarks/bench_isolation.py --compiled           # the same calls under torch.compile (inductor)
     python benchmarks/bench_isolation.py --lengths 256 --repeats 3 --quick
+
+Under torch.compile the rule always takes its accelerator path (nothing may be read on the host), and inductor fuses
+its row tests and masked copies with the neighbouring ops; the eager_cpu column is then "—".
 
 Run at an older commit (before ops/nonfinite.py), the same command measures the rule as it was then.
 """
@@ -65,6 +69,18 @@ def rule(path: str):
             setattr(mod, name, fn)
 
 
+def _timed(f, backward: bool, compiled: bool):
+    """f() -> (B, H, T, D): one timed call, with its backward (of the sum) when asked, compiled when asked."""
+    if compiled:
+        f = torch.compile(f, dynamic=False)
+
+    def go():
+        out = f()
+        if backward:
+            out.sum().backward()
+    return go
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
@@ -72,6 +88,7 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="one warm-up call")
+    p.add_argument("--compiled", action="store_true", help="every call under torch.compile (inductor, forward only)")
     a = p.parse_args(argv)
     dev = torch.device("cpu")
     Hq, Hkv, D = a.heads[0], a.heads[1], a.head_dim
@@ -79,33 +96,34 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|")
     for T in a.lengths:
         g = torch.Generator().manual_seed(T)
-        q, k, v = (torch.randn(1, h, T, D, generator=g).requires_grad_() for h in (Hq, Hkv, Hkv))
-        alpha, alpha_ma = torch.rand(1, Hq, T, generator=g).requires_grad_(), torch.rand(Hq, generator=g)
-        for backward in (False, True):
-            def run(f, backward=backward):
-                def go():
-                    out = f()
-                    if backward:
-                        out.sum().backward()
-                return go
+        q, k, v = (torch.randn(1, h, T, D, generator=g).requires_grad_(not a.compiled) for h in (Hq, Hkv, Hkv))
+        alpha, alpha_ma = torch.rand(1, Hq, T, generator=g).requires_grad_(not a.compiled), torch.rand(Hq, generator=g)
+        for backward in (False,) if a.compiled else (False, True):
             ops = {"softmax": lambda: softmax_attention(q, k, v, is_causal=True, enable_gqa=True),
                    "affine": lambda: affine_scaled_attention(q, k, v, alpha, alpha_ma, is_causal=True,
                                                              enable_gqa=True)}
             for name, op in ops.items():
-                methods = {"raw": run(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                             enable_gqa=True))}
-                for path in ("eager_cpu", "accelerator", "off"):
-                    def under(path=path, go=run(op)):
+                paths = ("accelerator", "off") if a.compiled else ("eager_cpu", "accelerator", "off")
+                methods = {"raw": _timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                               enable_gqa=True), backward, a.compiled)}
+                for path in paths:
+                    # One compiled function per path, always called under its rule: dynamo guards on the patched
+                    # functions, so a call outside it would recompile the other path.
+                    go = _timed(op, backward, a.compiled)
+
+                    def under(path=path, go=go):
                         with rule(path):
                             go()
                     methods[path] = under
                 times = paired_times(methods, dev, a.repeats, warmup=1 if a.quick else 2)
                 r = {m: statistics.median(t / b for t, b in zip(times[m], times["raw"])) for m in methods}
                 print(f"| {T} | {'fwd+bwd' if backward else 'fwd'} | {name} | "
-                      f"{statistics.median(times['raw']) * 1e3:.1f} | {r['eager_cpu']:.3f} | "
+                      f"{statistics.median(times['raw']) * 1e3:.1f} | "
+                      f"{'—' if a.compiled else format(r['eager_cpu'], '.3f')} | "
                       f"{r['accelerator']:.3f} | {r['off']:.3f} |", flush=True)
     print(f"\nB = 1, Hq/Hkv = {Hq}/{Hkv}, D = {D}, float32, causal, CPU ({torch.get_num_threads()} threads), "
-          f"median of {a.repeats} paired repeats; torch {torch.__version__}")
+          f"median of {a.repeats} paired repeats; {'torch.compile (inductor)' if a.compiled else 'eager'}; "
+          f"torch {torch.__version__}")
     return 0
 
 
