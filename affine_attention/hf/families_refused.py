@@ -149,9 +149,39 @@ REFUSED = {
 }
 
 
+def unrecorded_message(model_type: str, installed: str) -> str:
+    """Why `convert` does not take a family of the installed transformers that these records do not know (one it
+    added after NEWEST): it has no verdict yet, and the survey gives one."""
+    return (f"the {model_type} family has no verdict: these records were taken on transformers {NEWEST} and the "
+            f"installed {installed} ships it as a new family; `affine-attention families --survey` checks it on this "
+            "transformers (record its verdict in hf/families.py or hf/families_refused.py), or install "
+            f"transformers<={NEWEST}")
+
+
+def newer_than_records(installed: str) -> bool:
+    """Whether transformers version `installed` (e.g. "5.26.0") is newer than the one these records were taken on."""
+    def key(version: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in version.split(".")[:2])
+    return key(installed) > key(NEWEST)
+
+
 def refusal_message(model_type: str | None) -> str | None:
-    """Why `convert` does not take a model of this transformers model type, or None when it is not refused."""
+    """Why `convert` does not take a model of this transformers model type, or None when it is not refused (a family
+    of the table, or a model type the installed transformers does not ship as a causal LM)."""
     if model_type not in REFUSED:
-        return None
+        return _unrecorded(model_type)
     reason, found = REFUSED[model_type]
     return f"the {model_type} family is refused: {REASONS[reason]} ({found}); docs/families.md lists every family"
+
+
+def _unrecorded(model_type: str | None) -> str | None:
+    """unrecorded_message for a causal-LM model type the installed transformers ships and no record names."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from .families import FAMILIES
+
+    known = {f.model_type for f in FAMILIES.values()} | set(ALIASES) | set(REFUSED)
+    if model_type is None or model_type in known or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None
+    return unrecorded_message(model_type, transformers.__version__)
