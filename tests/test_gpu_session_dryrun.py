@@ -7,29 +7,42 @@ GPU_SESSION_SCRIPT=path runs these tests against another copy of the script (e.g
 """
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import documented
 import pytest
 import torch
-
 from test_gpu_check_dryrun import table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.environ.get("GPU_SESSION_SCRIPT", os.path.join(ROOT, "benchmarks", "gpu_session.py"))
 NO_CUDA = "not run (no CUDA)"
+DOCUMENTED = documented.command("python3 benchmarks/gpu_session.py --device cpu --quick")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
 def run(tmp_path, *extra, timeout=300):
-    out, log = tmp_path / "gpu_session.md", tmp_path / "stdout.txt"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    """The documented dry run as written (docs/performance.md), its report where the script says it wrote it; with
+    `extra` flags, the same run given them and an --out in tmp_path."""
+    log = tmp_path / "stdout.txt"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TMPDIR=str(tmp_path),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     env.pop("TRITON_INTERPRET", None)  # the dry run's own default: the Triton side "not run (no CUDA)"
+    if extra:
+        command = [sys.executable, SCRIPT, "--device", "cpu", "--quick", "--out", str(tmp_path / "gpu_session.md"),
+                   *extra]
+    else:
+        command = ["bash", "-c", DOCUMENTED.replace("benchmarks/gpu_session.py", shlex.quote(SCRIPT))]
     with open(log, "w") as f:  # a file, not a pipe: an undrained pipe can block the child
-        done = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--quick", "--out", str(out), *extra],
-                              cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-    return done.returncode, out, log.read_text()
+        done = subprocess.run(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+    said = log.read_text()
+    last = said.strip().splitlines()[-1] if said.strip() else ""
+    out = Path(last[len("report: "):]) if last.startswith("report: ") else tmp_path / "gpu_session.md"
+    return done.returncode, out, said
 
 
 def section(text, stage):
@@ -47,13 +60,13 @@ def test_gpu_session_cpu_dry_run(tmp_path):
     t0 = time.monotonic()
     code, out, log = run(tmp_path)
     assert code == 0, log[-3000:]
-    assert log.strip().splitlines()[-1] == f"report: {out}"
+    assert log.strip().splitlines()[-1] == f"report: {out}" and tmp_path in out.parents
     text = out.read_text()
     first = text.splitlines()[0]
     assert first.startswith("# gpu_session: CPU dry run (") and f"torch {torch.__version__}" in first, first
     assert re.search(r"^total \d+ s$", text, re.M) and "in progress" not in text
     assert "failed" not in text and not re.search(r"^skipped S", text, re.M) and "FAIL" not in text, text
-    assert not (tmp_path / "gpu_session.md.tracebacks.txt").exists()
+    assert not Path(f"{out}.tracebacks.txt").exists()
     assert [ln for ln in text.splitlines() if ln.startswith("## ")] == [
         "## S1 kernels", "## S2 CUDA tests", "## S3 1B Llama", "## S4 flex", "## S5 long-context masks"]
 
