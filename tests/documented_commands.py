@@ -30,7 +30,8 @@ class Here:
 @dataclass(frozen=True)
 class Parsed:
     """Not run here, for `reason`; its program's own argument parser must accept it, and train / compare must pass
-    their `--dry-run` with it (slow suite): a misspelt flag, preset or key fails."""
+    their `--dry-run` with it (slow suite): a misspelt flag, preset or key fails. pytest's lines must collect
+    (slow suite)."""
     reason: str
 
 
@@ -88,6 +89,13 @@ HOW = {
     "PYTHONUNBUFFERED=1 python3 benchmarks/gpu_session.py --out $OUT/gpu_session.md": Parsed(GPU),
     "python3 benchmarks/gpu_session.py --device cpu --quick": ByTest("tests/test_gpu_session_dryrun.py"),
     "python benchmarks/bench_attention.py --only prefix_error": Parsed(LONG),
+    # docs/testing.md (.ci/run sets PYTEST_ADDOPTS="-n 0 --durations=25" for the suites it runs in one process)
+    "python -m pytest -q -n 0": Parsed(LONG + " (the default suite in one process)"),
+    "python -m pytest -q -m slow": CI("environment 1: the slow suite"),
+    "python -m pytest -q -m exhaustive": Parsed(LONG + " (hours on 2 cores)"),
+    "python -m pytest -q -m cuda -o addopts=": Parsed(GPU),
+    'python -m pytest -q -m "not slow and not exhaustive and not version_independent"':
+        CI("environment 2: the version-sensitive default tests"),
     # docs/serving.md
     "python -m vllm.entrypoints.openai.api_server --model ./converted --dtype float32":
         ByTest("tests/test_vllm_serve.py"),

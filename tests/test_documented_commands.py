@@ -101,7 +101,7 @@ def _program_argv(text: str) -> tuple[str, list[str]]:
         assert argv[at + 1] == "affine_attention.cli", text
         return "affine-attention", argv[at + 2:]
     if argv[0] in ("python", "python3"):
-        return argv[1], argv[2:]
+        return (argv[2], argv[3:]) if argv[1] == "-m" else (argv[1], argv[2:])
     return argv[0], argv[1:]
 
 
@@ -137,7 +137,8 @@ def _parse(program: str, args: list[str], monkeypatch) -> argparse.Namespace | N
     raise AssertionError(f"{program} ended without parsing its arguments with argparse")
 
 
-@pytest.mark.parametrize("text", [c for c, how in HOW.items() if isinstance(how, Parsed)])
+@pytest.mark.parametrize("text", [c for c, how in HOW.items() if isinstance(how, Parsed)
+                                  and _program_argv(c)[0] != "pytest"])
 def test_commands_not_run_here_pass_their_programs_parser(text, monkeypatch):
     program, args = _program_argv(text)
     try:
@@ -157,3 +158,15 @@ def test_train_and_compare_commands_not_run_here_pass_their_dry_run(text):
     done = cli_in_process([*args, "--dry-run"])
     assert done.returncode == 0, f"`{text} --dry-run` failed:\n{done.stderr[-3000:]}"
     assert "tokens" in done.stdout + done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", [c for c, how in HOW.items() if isinstance(how, Parsed)
+                                  and _program_argv(c)[0] == "pytest"])
+def test_pytest_lines_not_run_here_collect_tests(text):
+    """Collecting is pytest's own check of the line's flags and marker expression, without running the tests."""
+    done = subprocess.run([sys.executable, *shlex.split(text)[1:], "--collect-only", "-p", "no:cacheprovider"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"`{text} --collect-only` failed:\n{(done.stdout + done.stderr)[-3000:]}"
+    count = re.search(r"(\d+)(?:/\d+)? tests? collected", done.stdout)
+    assert count and int(count.group(1)) > 0, done.stdout[-2000:]

@@ -3,19 +3,29 @@ paper's variants and both controls with 3 seeds on the Bigram-Backcopy task and 
 tables, the Claims table (whose verdicts follow the stated rule from the numbers in summary.json), the sink-mechanism
 table and every figure."""
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 
+import documented
 import pytest
-
-from affine_attention.cli import main
 
 
 @pytest.mark.slow
 def test_default_compare_writes_summary_and_report(tmp_path):
+    # The README's command as written, in a fresh folder: it picks its own runs/compare-<time> folder there.
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     t0 = time.time()
-    assert main(["compare", "--out", str(tmp_path)]) == 0
+    done = subprocess.run(["bash", "-c", documented.command("affine-attention compare")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=3600)
     wall = time.time() - t0
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    runs = list((tmp_path / "runs").glob("compare-*"))
+    assert len(runs) == 1, runs
+    tmp_path = runs[0]
     summary = json.loads((tmp_path / "summary.json").read_text())
     from affine_attention.train.config_load import load_config
     from affine_attention.variants import REGISTRY
