@@ -44,5 +44,5 @@ VERSION_INDEPENDENT = frozenset({
     "test_metrics_reader.py", "test_newcomer.py", "test_plots.py", "test_prepare_data.py", "test_report.py",
     "test_run_lock.py", "test_serving_sinks.py", "test_sink_probe.py", "test_stream_ranks.py", "test_suites.py",
     "test_train_compare.py",
-    "test_train_config.py", "test_train_data.py", "test_train_optim.py", "test_train_trainer.py",
+    "test_train_config.py", "test_train_data.py", "test_vllm_api.py", "test_train_optim.py", "test_train_trainer.py",
 })
