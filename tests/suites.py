@@ -31,7 +31,7 @@ VERSION_SENSITIVE = frozenset({
     "test_train_distributed.py", "test_transformers_serve.py",
     "test_train_fsdp_precision.py", "test_train_kd.py", "test_train_resume.py", "test_triton_kernels.py",
     "test_user_paths.py", "test_variants.py", "test_variants_distributed.py", "test_vllm.py",
-    "test_vllm_lm_eval.py", "test_vllm_no_package.py", "test_vllm_serve.py", "test_vllm_sinks.py", "test_vllm_tp.py",
+    "test_vllm_bf16.py", "test_vllm_lm_eval.py", "test_vllm_no_package.py", "test_vllm_serve.py", "test_vllm_sinks.py", "test_vllm_tp.py",
 })
 
 # Python logic over results (metrics, reports, plots, claims, configs, CLI wording, data packing, run folders, the
