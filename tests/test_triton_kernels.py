@@ -254,6 +254,107 @@ def test_triton_kernels_match_eager_under_the_interpreter(limits):
     assert "triton epilogue ok" in r.stdout
 
 
+NONFINITE_SCRIPT = textwrap.dedent("""
+    import torch
+    from affine_attention.ops import nonfinite
+    from affine_attention.ops import nonfinite_triton as nt
+    from affine_attention.ops.attention import attention_with_epilogue
+    torch.manual_seed(0)
+    nonfinite._asks = lambda t: False  # the rule's path where asking would sync: every row tested, as on CUDA
+    NAN, INF = float("nan"), float("inf")
+
+    def layout(x, transposed):
+        # (B, H, S, D) values, stored as the projections make them when transposed: a (B, S, H, D) tensor's view.
+        return x.transpose(1, 2).contiguous().transpose(1, 2) if transposed else x
+
+    def check_isolate(dtype, B, H, S, D, transposed, keys, put):
+        k, v = (torch.randn(B, H, S, D, dtype=torch.float64).to(dtype) for _ in range(2))
+        for name, idx, value in put:
+            (k if name == "k" else v)[idx] = value
+        k, v = layout(k, transposed), layout(v, transposed)
+        bad = ~(nonfinite._finite_rows(k) & nonfinite._finite_rows(v))
+        row = bad[..., None] if keys is None else bad[..., None] | ~keys.reshape(keys.shape[0], 1, -1, 1)
+        k0, v0, got = nt.OPS.isolate(k, v, keys)
+        assert torch.equal(got, bad), (got, bad)
+        assert torch.equal(nt.OPS.nonfinite_rows(k, v), bad)
+        assert k0.dtype == dtype and torch.equal(k0, k.masked_fill(row, 0)) and torch.equal(v0, v.masked_fill(row, 0))
+        # Backward: the gradient of every zeroed row is 0, of every other row what arrives, as masked_fill's.
+        kg, vg = (t.detach().clone().requires_grad_() for t in (k, v))
+        wk, wv = torch.randn_like(k0), torch.randn_like(v0)
+        dk, dv = torch.autograd.grad(nt.OPS.isolate(kg, vg, keys)[:2], (kg, vg), (wk, wv))
+        assert torch.equal(dk, wk.masked_fill(row, 0)) and torch.equal(dv, wv.masked_fill(row, 0))
+        return int(bad.sum())
+
+    def check_poison(dtype, B, Hq, Hs, T, Ts, D, transposed, alpha_on, put):
+        q, out = (layout(torch.randn(B, Hq, T, D, dtype=torch.float64).to(dtype), transposed) for _ in range(2))
+        alpha = torch.rand(B, T, Hq, dtype=dtype).transpose(1, 2) if alpha_on else None
+        seen = torch.rand(B, Hs, Ts, 1) > 0.7
+        for name, idx, value in put:
+            {"q": q, "alpha": alpha}[name][idx] = value
+        want = nonfinite.poison(out, seen, q, alpha)
+        got = nt.OPS.poison(out, q, alpha, seen)
+        assert got.dtype == dtype and torch.equal(got.isnan(), want.isnan()), (got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+        og = out.detach().clone().requires_grad_()
+        w = torch.randn_like(out)
+        d = torch.autograd.grad(nt.OPS.poison(og, q, alpha, seen), og, w)[0]
+        assert torch.equal(d, w.masked_fill(want.isnan().any(-1, keepdim=True), 0))
+        return int(want.isnan().any(-1).sum())
+
+    found = 0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        keys = torch.ones(2, 1, 1, 37, dtype=torch.bool)
+        keys[1, ..., 30:] = False
+        keys[0, ..., :2] = False
+        put = [("k", (0, 1, 5, 3), NAN), ("v", (1, 0, 36, 0), -INF), ("k", (1, 2, 0, 4), INF),
+               ("k", (1, 1, 31), 3e38 if dtype != torch.float16 else 6e4), ("v", (0, 0, 0), -3e38 if dtype !=
+               torch.float16 else -6e4)]  # padded rows near the dtype's range: zeroed though finite
+        for transposed in (False, True):
+            found += check_isolate(dtype, 2, 3, 37, 5, transposed, keys, put)   # odd D and S
+            found += check_isolate(dtype, 2, 3, 37, 5, transposed, None, put)   # no padding
+            found += check_isolate(dtype, 1, 2, 150, 8, transposed, keys[:1, ..., :1].expand(1, 1, 1, 150).clone(),
+                                   [("v", (0, 1, 140, 7), NAN)])  # several blocks of key rows, one batch of keys
+            qput = [("q", (0, 1, 3, 2), NAN), ("q", (1, 3, 0, 4), -INF), ("alpha", (1, 2, 6), INF),
+                    ("alpha", (0, 0, 0), NAN)]
+            found += check_poison(dtype, 2, 4, 2, 7, 7, 5, transposed, True, qput)    # GQA seen per KV head
+            found += check_poison(dtype, 2, 4, 4, 7, 1, 5, transposed, False, qput[:2])  # seen per head, T|1
+            found += check_poison(dtype, 1, 2, 1, 130, 130, 64, transposed, True, [("q", (0, 1, 129, 63), INF)])
+    assert found > 0
+    # Through the op, float64 and float32: the fused passes give what the torch passes give, outputs and gradients
+    # bit for bit (softmax: no epilogue, whose Triton kernel rounds differently from the eager one).
+    for dtype in (torch.float64, torch.float32):
+        B, Hq, Hk, T, S, D = 2, 4, 2, 5, 7, 8
+        base = [torch.randn(B, Hq, T, D, dtype=dtype), torch.randn(B, Hk, S, D, dtype=dtype),
+                torch.randn(B, Hk, S, D, dtype=dtype)]
+        base[1][1, 1, 3, 2], base[2][0, 0, 1, 0], base[0][0, 1, 2, 3] = NAN, INF, -INF
+        base[1][1, 0, 6] = 3e38  # a padded key near float32's range
+        keys = torch.tensor([True] * 5 + [False, False])[None, None, None].expand(B, 1, 1, S)
+        for kw in ({}, dict(is_causal=True), dict(attn_mask=keys, is_causal=True), dict(is_causal=True, window=3)):
+            res = []
+            for fused in (False, True):
+                nonfinite._fused = (lambda impl, f=nonfinite._fused: f("triton")) if fused else (lambda impl: None)
+                x = [t.clone().requires_grad_() for t in base]
+                y = attention_with_epilogue(*x, enable_gqa=True, **kw)
+                y.nan_to_num(0.0).sum().backward()
+                res.append([y] + [t.grad for t in x])
+            for a, b in zip(*res):
+                torch.testing.assert_close(a, b, equal_nan=True, atol=0, rtol=0)
+            assert res[1][0].isnan().any() and not res[1][0].isnan().all()
+    print("triton non-finite ok:", found, "rows found")
+""")
+
+
+def test_fused_non_finite_passes_match_the_torch_passes_under_the_interpreter():
+    """ops/nonfinite_triton.py against ops/nonfinite.py's torch passes: flags, copies, nan rows and gradients, bit for
+    bit, for nan and inf in k, v, q and alpha, padded rows near the dtype's range, odd shapes, GQA, transposed
+    (non-contiguous) layouts, every dtype."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", NONFINITE_SCRIPT], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "triton non-finite ok" in r.stdout
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # In compiled graphs: the registered operators, forward and backward.
 
