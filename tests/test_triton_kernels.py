@@ -466,10 +466,59 @@ def test_compiled_training_launches_the_registered_backward(path, triton_on_meta
     assert all(t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype for t in used)
 
 
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="fake CUDA tensors need torch's CUDA build")
+@pytest.mark.parametrize("mask", ["padding", "none"])
+def test_compiled_non_finite_rule_on_cuda_is_the_fused_operators(mask):
+    """Fake CUDA tensors, fullgraph (no graph break): the rule enters the graph as the registered operators, each one
+    fused kernel launch (k and v copied with their row flags, or the flags alone without a mask; the output masked
+    with q's test), and none of the torch path's row reductions or masked copies."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from affine_attention.ops import nonfinite_triton as nt
+    from affine_attention.ops import softmax_attention
+
+    kw = dict(is_causal=True) if mask == "padding" else {}
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 16, 64, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.empty(2, 2, 16, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        keys = torch.empty(2, 1, 1, 16, device="cuda", dtype=torch.bool) if mask == "padding" else None
+        graphs, y = _graphs_of(lambda q, k, v, m: softmax_attention(q, k, v, attn_mask=m, enable_gqa=True, **kw),
+                               q, k, v, keys)
+    assert (y.shape, y.dtype, y.device.type) == ((2, 4, 16, 64), torch.bfloat16, "cuda")
+    called = _called(graphs["dynamo"])
+    assert called.count(torch.ops.affine_attention.isolate_rows) == 1, called
+    assert called.count(torch.ops.affine_attention.poison) == 1, called
+    assert not {torch.aminmax, torch.Tensor.masked_fill} & set(called), called  # the torch path's passes
+    launched = _launched(graphs["forward"])
+    assert launched[0] is nt._isolate_kernel and launched[-1] is nt._poison_kernel, launched
+
+
+def test_compiled_training_differentiates_the_fused_non_finite_operators():
+    """Meta tensors standing in for CUDA in training, fullgraph: the forward graph launches both fused kernels, the
+    backward graph holds their registered backward (the masked_fill of each zeroed or nan row: d k, d v, d out), and
+    k, v and q get their gradients."""
+    from affine_attention.ops import nonfinite, nonfinite_triton as nt
+
+    def fn(q, k, v):
+        k0, v0, seen = nonfinite.isolate(q, k, v, _causal(), 0.125, impl="triton")
+        out = q + (k0 * v0).repeat_interleave(2, dim=1)
+        return nonfinite.poison(out, seen, q, None, impl="triton")
+
+    q = torch.empty(2, 4, 6, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.empty(2, 2, 6, 64, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    graphs, y = _graphs_of(fn, q, k, v)
+    y.float().sum().backward()
+    assert _launched(graphs["forward"]) == [nt._isolate_kernel, nt._poison_kernel]
+    backward = _called(graphs["backward"])
+    assert backward.count(torch.ops.aten.masked_fill.Scalar) == 3, backward
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Compilation for sm_90 without a GPU.
 
-_TT_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+_TT_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+              torch.bool: "i1"}
 _DIV16 = [["tt.divisibility", 16]]
 
 
@@ -533,10 +582,28 @@ def _sweep_dims():
     return sorted(set(widths) | {w - 1 for w in widths if w >= 4})
 
 
+def _launch_nonfinite(dtype, B, Hq, Hkv, T, D, every=True):
+    """The fused non-finite launchers (ops/nonfinite_triton.py) on meta operands as the ops make them (k and v
+    transposed projections, seen per KV head): every flag combination, or (every=False) the heaviest of each kernel
+    (copies with padding; alpha and seen)."""
+    from affine_attention.ops import nonfinite_triton as nt
+
+    k = _meta(B, T, Hkv, D, dtype=dtype).transpose(1, 2)
+    keys = _meta(B, 1, 1, T, dtype=torch.bool)
+    for write, pad in ((False, False), (True, False), (True, True)) if every else ((True, True),):
+        nt.isolate_rows(k, k, keys if pad else None, write)
+    q = _meta(B, Hq, T, D, dtype=dtype)
+    alpha = _meta(B, T, Hq, dtype=dtype).transpose(1, 2)
+    seen = _meta(B, Hkv, T, dtype=torch.bool)
+    for a, s in itertools.product((None, alpha), (None, seen)) if every else ((alpha, seen),):
+        nt.poison(q, q, a, s)
+
+
 def _sweep(dtype, D):
     """The full sweep's specialisations for one dtype and head dim: GQA groups of 2, T = 3."""
     with _recorded_launches() as launches:
         _launch_all(dtype, 2, 4, 2, 3, 3, D)
+        _launch_nonfinite(dtype, 2, 4, 2, 3, D)
     return _unique(launches)
 
 
@@ -645,12 +712,15 @@ def _representative():
         _launch_all(torch.bfloat16, 2, 4, 1, 5, 1, 128, gates=("constant", "scale"), affines=(True,),
                     alpha_dtype=torch.float32)  # decoding mean (Tm = 1), mixed dtypes
         _launch_all(torch.float16, 1, 2, 1, 2**24 + 3, 2**24 + 3, 128, gates=("elementwise",), affines=(True,))
+        for dtype, D in itertools.product(DTYPES, (256, 100)):
+            _launch_nonfinite(dtype, 2, 4, 2, 3, D, every=False)
+        _launch_nonfinite(torch.bfloat16, 1, 2, 1, 2**24 + 3, 128)  # every flag, i64 strides
 
     def wanted(key):
-        """Every forward; of the backwards, those with every gradient the operands allow or with none: the two
+        """Every forward and non-finite pass; of the backwards, those with every gradient the operands allow or with none: the two
         extremes of live registers."""
         name, _, constexprs, _, _ = key
-        if name == "_epilogue_fwd":
+        if name != "_epilogue_bwd":
             return True
         on = {k: v == "True" for k, v in constexprs}
         needs = [on[n] for n in ("NEED_DA", "NEED_DAM", "NEED_DM", "NEED_DG")]
@@ -688,6 +758,21 @@ def test_the_sweep_covers_every_flag_combination_and_block_the_launchers_produce
     # forward and 1 + 2 and 8 x 3 backward. Each for 9 tile widths x 4 dtypes (ACC follows the dtype).
     assert len(seen["_epilogue_fwd"]) == (2 * 3 * 8 + 2 * 2) * 4
     assert len(seen["_epilogue_bwd"]) == ((5 + 8 * 5) * 8 + (3 + 8 * 3)) * 4
+
+
+def test_the_sweep_covers_every_flag_of_the_fused_non_finite_kernels():
+    """Cheap (no compiling): the slow sweep holds the non-finite kernels' every flag combination (isolate: the flags
+    alone, copies, copies with padding; poison: alpha and seen each on or off) at every tile width, for every dtype."""
+    specs = {}
+    for dtype, D in itertools.product(DTYPES, _sweep_dims()):
+        specs.update(_sweep(dtype, D))
+    seen = {}
+    for name, signature, constexprs, _, _ in specs:
+        if name in ("_isolate_kernel", "_poison_kernel"):
+            seen.setdefault(name, set()).add((dict(signature)["K" if name == "_isolate_kernel" else "O"], constexprs))
+    widths = {et.blocks(D, et.tile_elements(et.FWD_ELEMENTS, torch.float32))[1] for D in range(1, 257)}
+    assert len(seen["_isolate_kernel"]) == 3 * len(widths) * len(DTYPES)
+    assert len(seen["_poison_kernel"]) == 4 * len(widths) * len(DTYPES)
 
 
 @pytest.mark.slow

@@ -19,8 +19,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import register_autograd, triton_op
 
+from . import epilogue_triton as et
 from .epilogue_triton import FWD_ELEMENTS, MAXNREG, NUM_WARPS, _program_rows, _strides, launch_grid, tile_elements
-from .epilogue_triton import wrap_triton
 
 
 @triton.jit
@@ -110,7 +110,7 @@ def isolate_rows(k: Tensor, v: Tensor, keys: Tensor | None, write: bool) -> tupl
         return k0, v0, bad
     grid, block_t, block_d = launch_grid(B, H, S, D, tile_elements(FWD_ELEMENTS, k.dtype))
     keep, sPb, sPs = _keep(keys, bad)
-    wrap_triton(_isolate_kernel)[grid](
+    et.wrap_triton(_isolate_kernel)[grid](
         k, v, keep, k0 if write else k, v0 if write else v, bad, S, D, H, *_strides(k, 4), *_strides(v, 4), sPb, sPs,
         WRITE=write, PAD=write and keys is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=NUM_WARPS,
         maxnreg=MAXNREG)
@@ -127,7 +127,7 @@ def poison(out: Tensor, q: Tensor, alpha: Tensor | None, seen: Tensor | None) ->
     if hit.numel() == 0:
         return y, hit
     grid, block_t, block_d = launch_grid(B, Hq, T, D, tile_elements(FWD_ELEMENTS, out.dtype))
-    wrap_triton(_poison_kernel)[grid](
+    et.wrap_triton(_poison_kernel)[grid](
         out, q, alpha if alpha is not None else out, seen if seen is not None else hit, y, hit, T, D, Hq,
         Hq // seen.shape[1] if seen is not None else 1, *_strides(out, 4), *_strides(q, 4), *_strides(alpha, 3), *_strides(seen, 3),
         ALPHA=alpha is not None, SEEN_ROWS=seen is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=NUM_WARPS,
