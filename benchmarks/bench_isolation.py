@@ -41,7 +41,9 @@ class _Compiling:
 
 @contextlib.contextmanager
 def rule(path: str):
-    """path: "eager_cpu" (as shipped on CPU), "accelerator" (never ask the data first), "off" (no rule)."""
+    """path: "eager_cpu" (as shipped on CPU), "accelerator" (never ask the data first), "off" (no rule). On CUDA
+    "accelerator" is what ships (the fused Triton passes, ops/nonfinite_triton.py); benchmarks/gpu_session.py's S1
+    uses "off" for its isolation-off row."""
     try:
         from affine_attention.ops import nonfinite
     except ImportError:  # an older commit: the rule lived in ops/attention.py
@@ -52,8 +54,8 @@ def rule(path: str):
         saved[(mod, name)] = getattr(mod, name)
         setattr(mod, name, fn)
     if path == "off" and nonfinite is not None:
-        patch(nonfinite, "isolate", lambda q, k, v, mask, scale, known=None: (k, v, None))
-        patch(nonfinite, "poison", lambda out, seen, q, alpha: out)
+        patch(nonfinite, "isolate", lambda q, k, v, mask, scale, known=None, impl=None: (k, v, None))
+        patch(nonfinite, "poison", lambda out, seen, q, alpha, impl=None: out)
     elif path == "off":
         patch(ops_attention, "_isolate_nonfinite", lambda k, v, mask, Hq, known=None: (k, v, None))
         patch(ops_attention, "_poison_seen", lambda out, seen: out)

@@ -12,8 +12,9 @@ CPU dry run (CI; every stage's code on tiny sizes, under 2 minutes; CUDA-only ce
 
 Stages, in order (S1, S3, S4, S5 measure in fresh worker processes: benchmarks/gpu_check_worker.py):
   S1 bf16, D = 128, Hq/Hkv = 32/8, causal, T = 4096 and 16384: raw SDPA-flash (SDPA restricted to FLASH) = 1.00,
-     then softmax, sink, affine (automatic backend, and forced cuda_flash), forward and forward+backward (CUDA
-     events), TFLOP/s, peak memory, float64 error on a slice; one right-padded T = 4096 block against raw varlen FA2.
+     then softmax, sink, affine (automatic backend, and forced cuda_flash), and softmax with the non-finite rule
+     switched off (its cost: softmax on vs off vs raw), forward and forward+backward (CUDA events), TFLOP/s, peak
+     memory, float64 error on a slice; one right-padded T = 4096 block against raw varlen FA2.
   S2 the `cuda`-marked tests outside the flex file (cuda_flash, the epilogue) under a hard timeout, then the Triton
      epilogue against the eager one.
   S3 Llama-3.2-1B's shape with random weights, B = 4, T = 2048: unconverted / affine / sink eager, then each with

@@ -89,10 +89,20 @@ def slice_error(out, ref_fn, t, kw, rows: int) -> float:
     return ((got - ref).abs().max() / ref.abs().max()).item()
 
 
+def isolation_off(fn):
+    """fn(t, kw, backend) run without the non-finite rule (ops/nonfinite.py), as bench_isolation's "off" path."""
+    from bench_isolation import rule
+
+    def off(t, kw, backend):
+        with rule("off"):
+            return fn(t, kw, backend)
+    return off
+
+
 def kernel_rows(args, rec, device, job: dict) -> None:
     """S1: one T, causal (raw SDPA-flash = 1.00, then softmax / sink / affine, automatic backend and forced
-    cuda_flash) or right-padded (raw varlen FA2 = 1.00, then the ops' automatic choice): times, TFLOP/s, peak
-    memory, the float64 error on a slice."""
+    cuda_flash) or right-padded (raw varlen FA2 = 1.00, then the ops' automatic choice), and softmax with the
+    non-finite rule switched off: times, TFLOP/s, peak memory, the float64 error on a slice."""
     import torch
 
     T, padded, gid = job["T"], job["mask"] == "padded", job["id"]
@@ -111,6 +121,9 @@ def kernel_rows(args, rec, device, job: dict) -> None:
     for name, (fn, extras) in vs.items():
         for backend in (None,) if padded else (None, "cuda_flash"):
             rows[f"{name} ({backend or 'auto'})"] = (fn, backend, extras, refs[name])
+    # Item 4 of issue 42: what the non-finite guarantee costs, as softmax with it (the row above) against the same
+    # call without it and against raw.
+    rows["softmax (auto), isolation off"] = (isolation_off(vs["softmax"][0]), None, (), refs["softmax"])
     key = {"T": str(T), "B": str(B), "mask": "right-padded" if padded else "causal"}
     for label in [r for r, (_, be, _, _) in rows.items() if be == "cuda_flash" and not cuda]:
         rec.put(table="kernels", row=dict(key, row=label, backend=NO_CUDA))

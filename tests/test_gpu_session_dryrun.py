@@ -74,15 +74,18 @@ def test_gpu_session_cpu_dry_run(tmp_path):
     # cuda_flash rows not run; the right-padded block has no raw varlen baseline on the CPU, so no ratios.
     _, rows = table(section(text, "S1"), "T")
     B = {64: 4, 128: 2}
+    # Each block ends with softmax without the non-finite rule: the rule's cost (issue 42, item 4) is softmax (auto)
+    # against it and against raw.
+    off = "softmax (auto), isolation off"
     assert [(r["T"], r["mask"], r["row"]) for r in rows] == [
         *((str(T), "causal", f"{v} (cuda_flash)") for T in (64,) for v in ("softmax", "sink", "affine")),
         *((str(T), "causal", r) for T in (64,) for r in ("raw SDPA-flash", "softmax (auto)", "sink (auto)",
-                                                           "affine (auto)")),
+                                                           "affine (auto)", off)),
         *((str(T), "causal", f"{v} (cuda_flash)") for T in (128,) for v in ("softmax", "sink", "affine")),
         *((str(T), "causal", r) for T in (128,) for r in ("raw SDPA-flash", "softmax (auto)", "sink (auto)",
-                                                            "affine (auto)")),
+                                                            "affine (auto)", off)),
         ("64", "right-padded", "raw varlen FA2"),
-        *(("64", "right-padded", f"{v} (auto)") for v in ("softmax", "sink", "affine"))]
+        *(("64", "right-padded", f"{v} (auto)") for v in ("softmax", "sink", "affine")), ("64", "right-padded", off)]
     for r in rows:
         T = int(r["T"])
         assert r["B"] == str(B[T]), r

@@ -254,6 +254,107 @@ def test_triton_kernels_match_eager_under_the_interpreter(limits):
     assert "triton epilogue ok" in r.stdout
 
 
+NONFINITE_SCRIPT = textwrap.dedent("""
+    import torch
+    from affine_attention.ops import nonfinite
+    from affine_attention.ops import nonfinite_triton as nt
+    from affine_attention.ops.attention import attention_with_epilogue
+    torch.manual_seed(0)
+    nonfinite._asks = lambda t: False  # the rule's path where asking would sync: every row tested, as on CUDA
+    NAN, INF = float("nan"), float("inf")
+
+    def layout(x, transposed):
+        # (B, H, S, D) values, stored as the projections make them when transposed: a (B, S, H, D) tensor's view.
+        return x.transpose(1, 2).contiguous().transpose(1, 2) if transposed else x
+
+    def check_isolate(dtype, B, H, S, D, transposed, keys, put):
+        k, v = (torch.randn(B, H, S, D, dtype=torch.float64).to(dtype) for _ in range(2))
+        for name, idx, value in put:
+            (k if name == "k" else v)[idx] = value
+        k, v = layout(k, transposed), layout(v, transposed)
+        bad = ~(nonfinite._finite_rows(k) & nonfinite._finite_rows(v))
+        row = bad[..., None] if keys is None else bad[..., None] | ~keys.reshape(keys.shape[0], 1, -1, 1)
+        k0, v0, got = nt.OPS.isolate(k, v, keys)
+        assert torch.equal(got, bad), (got, bad)
+        assert torch.equal(nt.OPS.nonfinite_rows(k, v), bad)
+        assert k0.dtype == dtype and torch.equal(k0, k.masked_fill(row, 0)) and torch.equal(v0, v.masked_fill(row, 0))
+        # Backward: the gradient of every zeroed row is 0, of every other row what arrives, as masked_fill's.
+        kg, vg = (t.detach().clone().requires_grad_() for t in (k, v))
+        wk, wv = torch.randn_like(k0), torch.randn_like(v0)
+        dk, dv = torch.autograd.grad(nt.OPS.isolate(kg, vg, keys)[:2], (kg, vg), (wk, wv))
+        assert torch.equal(dk, wk.masked_fill(row, 0)) and torch.equal(dv, wv.masked_fill(row, 0))
+        return int(bad.sum())
+
+    def check_poison(dtype, B, Hq, Hs, T, Ts, D, transposed, alpha_on, put):
+        q, out = (layout(torch.randn(B, Hq, T, D, dtype=torch.float64).to(dtype), transposed) for _ in range(2))
+        alpha = torch.rand(B, T, Hq, dtype=dtype).transpose(1, 2) if alpha_on else None
+        seen = torch.rand(B, Hs, Ts, 1) > 0.7
+        for name, idx, value in put:
+            {"q": q, "alpha": alpha}[name][idx] = value
+        want = nonfinite.poison(out, seen, q, alpha)
+        got = nt.OPS.poison(out, q, alpha, seen)
+        assert got.dtype == dtype and torch.equal(got.isnan(), want.isnan()), (got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+        og = out.detach().clone().requires_grad_()
+        w = torch.randn_like(out)
+        d = torch.autograd.grad(nt.OPS.poison(og, q, alpha, seen), og, w)[0]
+        assert torch.equal(d, w.masked_fill(want.isnan().any(-1, keepdim=True), 0))
+        return int(want.isnan().any(-1).sum())
+
+    found = 0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        keys = torch.ones(2, 1, 1, 37, dtype=torch.bool)
+        keys[1, ..., 30:] = False
+        keys[0, ..., :2] = False
+        put = [("k", (0, 1, 5, 3), NAN), ("v", (1, 0, 36, 0), -INF), ("k", (1, 2, 0, 4), INF),
+               ("k", (1, 1, 31), 3e38 if dtype != torch.float16 else 6e4), ("v", (0, 0, 0), -3e38 if dtype !=
+               torch.float16 else -6e4)]  # padded rows near the dtype's range: zeroed though finite
+        for transposed in (False, True):
+            found += check_isolate(dtype, 2, 3, 37, 5, transposed, keys, put)   # odd D and S
+            found += check_isolate(dtype, 2, 3, 37, 5, transposed, None, put)   # no padding
+            found += check_isolate(dtype, 1, 2, 150, 8, transposed, keys[:1, ..., :1].expand(1, 1, 1, 150).clone(),
+                                   [("v", (0, 1, 140, 7), NAN)])  # several blocks of key rows, one batch of keys
+            qput = [("q", (0, 1, 3, 2), NAN), ("q", (1, 3, 0, 4), -INF), ("alpha", (1, 2, 6), INF),
+                    ("alpha", (0, 0, 0), NAN)]
+            found += check_poison(dtype, 2, 4, 2, 7, 7, 5, transposed, True, qput)    # GQA seen per KV head
+            found += check_poison(dtype, 2, 4, 4, 7, 1, 5, transposed, False, qput[:2])  # seen per head, T|1
+            found += check_poison(dtype, 1, 2, 1, 130, 130, 64, transposed, True, [("q", (0, 1, 129, 63), INF)])
+    assert found > 0
+    # Through the op, float64 and float32: the fused passes give what the torch passes give, outputs and gradients
+    # bit for bit (softmax: no epilogue, whose Triton kernel rounds differently from the eager one).
+    for dtype in (torch.float64, torch.float32):
+        B, Hq, Hk, T, S, D = 2, 4, 2, 5, 7, 8
+        base = [torch.randn(B, Hq, T, D, dtype=dtype), torch.randn(B, Hk, S, D, dtype=dtype),
+                torch.randn(B, Hk, S, D, dtype=dtype)]
+        base[1][1, 1, 3, 2], base[2][0, 0, 1, 0], base[0][0, 1, 2, 3] = NAN, INF, -INF
+        base[1][1, 0, 6] = 3e38  # a padded key near float32's range
+        keys = torch.tensor([True] * 5 + [False, False])[None, None, None].expand(B, 1, 1, S)
+        for kw in ({}, dict(is_causal=True), dict(attn_mask=keys, is_causal=True), dict(is_causal=True, window=3)):
+            res = []
+            for fused in (False, True):
+                nonfinite._fused = (lambda impl, f=nonfinite._fused: f("triton")) if fused else (lambda impl: None)
+                x = [t.clone().requires_grad_() for t in base]
+                y = attention_with_epilogue(*x, enable_gqa=True, **kw)
+                y.nan_to_num(0.0).sum().backward()
+                res.append([y] + [t.grad for t in x])
+            for a, b in zip(*res):
+                torch.testing.assert_close(a, b, equal_nan=True, atol=0, rtol=0)
+            assert res[1][0].isnan().any() and not res[1][0].isnan().all()
+    print("triton non-finite ok:", found, "rows found")
+""")
+
+
+def test_fused_non_finite_passes_match_the_torch_passes_under_the_interpreter():
+    """ops/nonfinite_triton.py against ops/nonfinite.py's torch passes: flags, copies, nan rows and gradients, bit for
+    bit, for nan and inf in k, v, q and alpha, padded rows near the dtype's range, odd shapes, GQA, transposed
+    (non-contiguous) layouts, every dtype."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", NONFINITE_SCRIPT], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "triton non-finite ok" in r.stdout
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # In compiled graphs: the registered operators, forward and backward.
 
@@ -365,10 +466,59 @@ def test_compiled_training_launches_the_registered_backward(path, triton_on_meta
     assert all(t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype for t in used)
 
 
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="fake CUDA tensors need torch's CUDA build")
+@pytest.mark.parametrize("mask", ["padding", "none"])
+def test_compiled_non_finite_rule_on_cuda_is_the_fused_operators(mask):
+    """Fake CUDA tensors, fullgraph (no graph break): the rule enters the graph as the registered operators, each one
+    fused kernel launch (k and v copied with their row flags, or the flags alone without a mask; the output masked
+    with q's test), and none of the torch path's row reductions or masked copies."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from affine_attention.ops import nonfinite_triton as nt
+    from affine_attention.ops import softmax_attention
+
+    kw = dict(is_causal=True) if mask == "padding" else {}
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 16, 64, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.empty(2, 2, 16, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        keys = torch.empty(2, 1, 1, 16, device="cuda", dtype=torch.bool) if mask == "padding" else None
+        graphs, y = _graphs_of(lambda q, k, v, m: softmax_attention(q, k, v, attn_mask=m, enable_gqa=True, **kw),
+                               q, k, v, keys)
+    assert (y.shape, y.dtype, y.device.type) == ((2, 4, 16, 64), torch.bfloat16, "cuda")
+    called = _called(graphs["dynamo"])
+    assert called.count(torch.ops.affine_attention.isolate_rows) == 1, called
+    assert called.count(torch.ops.affine_attention.poison) == 1, called
+    assert not {torch.aminmax, torch.Tensor.masked_fill} & set(called), called  # the torch path's passes
+    launched = _launched(graphs["forward"])
+    assert launched[0] is nt._isolate_kernel and launched[-1] is nt._poison_kernel, launched
+
+
+def test_compiled_training_differentiates_the_fused_non_finite_operators():
+    """Meta tensors standing in for CUDA in training, fullgraph: the forward graph launches both fused kernels, the
+    backward graph holds their registered backward (the masked_fill of each zeroed or nan row: d k, d v, d out), and
+    k, v and q get their gradients."""
+    from affine_attention.ops import nonfinite, nonfinite_triton as nt
+
+    def fn(q, k, v):
+        k0, v0, seen = nonfinite.isolate(q, k, v, _causal(), 0.125, impl="triton")
+        out = q + (k0 * v0).repeat_interleave(2, dim=1)
+        return nonfinite.poison(out, seen, q, None, impl="triton")
+
+    q = torch.empty(2, 4, 6, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.empty(2, 2, 6, 64, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    graphs, y = _graphs_of(fn, q, k, v)
+    y.float().sum().backward()
+    assert _launched(graphs["forward"]) == [nt._isolate_kernel, nt._poison_kernel]
+    backward = _called(graphs["backward"])
+    assert backward.count(torch.ops.aten.masked_fill.Scalar) == 3, backward
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Compilation for sm_90 without a GPU.
 
-_TT_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+_TT_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+              torch.bool: "i1"}
 _DIV16 = [["tt.divisibility", 16]]
 
 
@@ -432,10 +582,28 @@ def _sweep_dims():
     return sorted(set(widths) | {w - 1 for w in widths if w >= 4})
 
 
+def _launch_nonfinite(dtype, B, Hq, Hkv, T, D, every=True):
+    """The fused non-finite launchers (ops/nonfinite_triton.py) on meta operands as the ops make them (k and v
+    transposed projections, seen per KV head): every flag combination, or (every=False) the heaviest of each kernel
+    (copies with padding; alpha and seen)."""
+    from affine_attention.ops import nonfinite_triton as nt
+
+    k = _meta(B, T, Hkv, D, dtype=dtype).transpose(1, 2)
+    keys = _meta(B, 1, 1, T, dtype=torch.bool)
+    for write, pad in ((False, False), (True, False), (True, True)) if every else ((True, True),):
+        nt.isolate_rows(k, k, keys if pad else None, write)
+    q = _meta(B, Hq, T, D, dtype=dtype)
+    alpha = _meta(B, T, Hq, dtype=dtype).transpose(1, 2)
+    seen = _meta(B, Hkv, T, dtype=torch.bool)
+    for a, s in itertools.product((None, alpha), (None, seen)) if every else ((alpha, seen),):
+        nt.poison(q, q, a, s)
+
+
 def _sweep(dtype, D):
     """The full sweep's specialisations for one dtype and head dim: GQA groups of 2, T = 3."""
     with _recorded_launches() as launches:
         _launch_all(dtype, 2, 4, 2, 3, 3, D)
+        _launch_nonfinite(dtype, 2, 4, 2, 3, D)
     return _unique(launches)
 
 
@@ -544,12 +712,15 @@ def _representative():
         _launch_all(torch.bfloat16, 2, 4, 1, 5, 1, 128, gates=("constant", "scale"), affines=(True,),
                     alpha_dtype=torch.float32)  # decoding mean (Tm = 1), mixed dtypes
         _launch_all(torch.float16, 1, 2, 1, 2**24 + 3, 2**24 + 3, 128, gates=("elementwise",), affines=(True,))
+        for dtype, D in itertools.product(DTYPES, (256, 100)):
+            _launch_nonfinite(dtype, 2, 4, 2, 3, D, every=False)
+        _launch_nonfinite(torch.bfloat16, 1, 2, 1, 2**24 + 3, 128)  # every flag, i64 strides
 
     def wanted(key):
-        """Every forward; of the backwards, those with every gradient the operands allow or with none: the two
+        """Every forward and non-finite pass; of the backwards, those with every gradient the operands allow or with none: the two
         extremes of live registers."""
         name, _, constexprs, _, _ = key
-        if name == "_epilogue_fwd":
+        if name != "_epilogue_bwd":
             return True
         on = {k: v == "True" for k, v in constexprs}
         needs = [on[n] for n in ("NEED_DA", "NEED_DAM", "NEED_DM", "NEED_DG")]
@@ -587,6 +758,22 @@ def test_the_sweep_covers_every_flag_combination_and_block_the_launchers_produce
     # forward and 1 + 2 and 8 x 3 backward. Each for 9 tile widths x 4 dtypes (ACC follows the dtype).
     assert len(seen["_epilogue_fwd"]) == (2 * 3 * 8 + 2 * 2) * 4
     assert len(seen["_epilogue_bwd"]) == ((5 + 8 * 5) * 8 + (3 + 8 * 3)) * 4
+
+
+def test_the_sweep_covers_every_flag_of_the_fused_non_finite_kernels():
+    """Cheap (no compiling): the slow sweep holds the non-finite kernels' every flag combination (isolate: the flags
+    alone, copies, copies with padding; poison: alpha and seen each on or off) at every tile width, for every dtype."""
+    specs = {}
+    for dtype, D in itertools.product(DTYPES, _sweep_dims()):
+        specs.update(_sweep(dtype, D))
+    seen = {}
+    for name, signature, constexprs, _, _ in specs:
+        if name in ("_isolate_kernel", "_poison_kernel"):
+            flags = tuple((k, v) for k, v in constexprs if k.isupper())  # not ints specialised to 1
+            seen.setdefault(name, set()).add((dict(signature)["K" if name == "_isolate_kernel" else "O"], flags))
+    widths = {et.blocks(D, et.tile_elements(et.FWD_ELEMENTS, torch.float32))[1] for D in range(1, 257)}
+    assert len(seen["_isolate_kernel"]) == 3 * len(widths) * len(DTYPES)
+    assert len(seen["_poison_kernel"]) == 4 * len(widths) * len(DTYPES)
 
 
 @pytest.mark.slow

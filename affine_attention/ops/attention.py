@@ -109,7 +109,7 @@ def attention_with_epilogue(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | 
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D); alpha: (B, Hq, T) with alpha_ma: (Hq,) for the affine part (or
     neither); gate: broadcastable to (B, Hq, T, D) or a float (see epilogue.epilogue); sinks: (Hq,) logits.
     Masks, scale, bias_norm, backend and v_mean as affine_scaled_attention; epilogue_impl forces "eager" or
-    "triton"; mask: the mask already parsed (a MaskSpec, e.g. once per model forward) instead of the keywords.
+    "triton" for the epilogue and the non-finite rule's passes (ops/nonfinite.py); mask: the mask already parsed (a MaskSpec, e.g. once per model forward) instead of the keywords.
     kv_nonfinite: (B, Hkv) bool, True for the heads whose k or v hold a non-finite row, or False for none, where the
     caller tracks it (a decoding cache, from the rows each step appends): it spares the test of every row.
     softcap: logits capped to softcap * tanh(x / softcap) in the kernel (backends that cannot cap refuse the call).
@@ -157,11 +157,11 @@ def attend_call(call: AttentionCall, *, alpha: Tensor | None = None, alpha_ma: T
         # (s q).k = s (q.k): every kernel serves a per-query logit scale, and autograd carries its gradient.
         q = q * score.q_scale.to(q.dtype)[..., None]
         score = score._replace(q_scale=None)
-    k, v, seen = nonfinite.isolate(q, k, v, mask, score.scale, kv_nonfinite)
+    k, v, seen = nonfinite.isolate(q, k, v, mask, score.scale, kv_nonfinite, impl)
     out, _ = backends.attention(q, k, v, mask, score, sinks=sinks, backend=call.backend)
     if alpha is not None and v_mean is None:
         out = epilogue(out, alpha=alpha, alpha_ma=alpha_ma, gate=gate, v=v, mask=mask, bias_norm=bias_norm,
                        impl=impl)
     else:
         out = epilogue(out, alpha=alpha, alpha_ma=alpha_ma, gate=gate, v_mean=v_mean, impl=impl)
-    return nonfinite.poison(out, seen, q, alpha)
+    return nonfinite.poison(out, seen, q, alpha, impl)

@@ -3,10 +3,12 @@ only the queries that may see it (they get nan, as the float64 reference's arith
 or alpha is non-finite gets nan whatever the kernel's running max made of it.
 
 Kernels multiply hidden values by a zero weight and add a -inf bias to hidden logits; 0 * nan, nan - inf and
-inf - inf are nan, so without this a padded or future key poisons rows that never see it. Cost on an accelerator
-(where asking the data would sync): one row reduction over each of q, k and v (`aminmax`, no full-size
-intermediate), one masked copy of k and v, one masked pass over the output; eager CPU asks first and, in the common
-all-finite case, does none of the copies (benchmarks/bench_isolation.py measures both paths against raw SDPA).
+inf - inf are nan, so without this a padded or future key poisons rows that never see it. Where asking the data
+would sync (CUDA, compiled graphs) every row is tested: on CUDA (impl "triton") in two fused passes
+(nonfinite_triton.py: one over k and v writing the copies and the row flags, one over the output testing q and
+alpha); elsewhere with the torch ops below, the readable form and the CPU/meta path (a row reduction over each of q,
+k and v, a masked copy of k and v, a masked pass over the output). Eager CPU asks first and, in the common all-finite
+case, does none of the copies (benchmarks/bench_isolation.py measures both paths against raw SDPA).
 """
 from __future__ import annotations
 
@@ -36,13 +38,22 @@ def _finite_rows(x: Tensor) -> Tensor:
     return torch.isfinite(lo) & torch.isfinite(hi)
 
 
+def _fused(impl: str | None):
+    """The fused kernels' operators where impl is "triton" (chosen and checked by epilogue.select_impl), else None."""
+    if impl != "triton":
+        return None
+    from .nonfinite_triton import OPS
+    return OPS
+
+
 def isolate(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float,
-            known: Tensor | bool | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+            known: Tensor | bool | None = None, impl: str | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """q: (B, Hq, T, D); k, v: (B, Hkv, S, D) -> (k, v with every non-finite key row and value row set to 0, seen),
     seen: (B, Hkv|Hq, T|1, 1) bool, True for the queries that may see such a row (None when there is none).
     known: (B, Hkv) bool, the heads that hold such a row, or False for none, when the caller knows (a decoding
     cache): then no row is read where that decides. Padded keys (hidden from every query) are zeroed with them
-    where their logits could overflow (eager CPU) or always (elsewhere: the same masked copy, no extra pass)."""
+    where their logits could overflow (eager CPU) or always (elsewhere: the same masked copy, no extra pass).
+    impl: "triton" runs the tests and copies as one fused pass (nonfinite_triton.py), else torch ops."""
     Hq, D = q.shape[1], q.shape[-1]
     if known is False:
         return k, v, None
@@ -58,28 +69,36 @@ def isolate(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, scale: float,
         if math.isfinite(kabs) and math.isfinite(vsum) and (
                 keys is None or kabs * qabs * D * abs(scale) < _LOGIT_ROOM):
             return k, v, None  # the common case: one reduction per tensor, no copy
-    bad = ~(_finite_rows(k) & _finite_rows(v))  # (B, Hkv, S)
+    fused = _fused(impl)
     if not mask.kinds:
         # Every query sees every key: each query of a head with a non-finite row is nan. Without this a key whose
         # logit is -inf would drop out of the softmax and leave the output finite.
+        bad = fused.nonfinite_rows(k, v) if fused else ~(_finite_rows(k) & _finite_rows(v))  # (B, Hkv, S)
         if _asks(k) and not bool(bad.any()):
             return k, v, None
         return k, v, bad.any(-1)[:, :, None, None]
-    row = bad[..., None]  # (B, Hkv, S, 1)
-    seen, _ = visible_sum_and_count(row.to(v.dtype), mask, Hq)  # a padded row is never visible: not counted
-    if keys is not None:
-        row = row | ~keys.reshape(keys.shape[0], 1, -1, 1)
-    return k.masked_fill(row, 0), v.masked_fill(row, 0), seen > 0.5
+    if fused:
+        k, v, bad = fused.isolate(k, v, keys)
+    else:
+        bad = ~(_finite_rows(k) & _finite_rows(v))
+        row = bad[..., None] if keys is None else bad[..., None] | ~keys.reshape(keys.shape[0], 1, -1, 1)
+        k, v = k.masked_fill(row, 0), v.masked_fill(row, 0)
+    seen, _ = visible_sum_and_count(bad[..., None].to(v.dtype), mask, Hq)  # a padded row is never visible
+    return k, v, seen > 0.5
 
 
-def poison(out: Tensor, seen: Tensor | None, q: Tensor, alpha: Tensor | None) -> Tensor:
+def poison(out: Tensor, seen: Tensor | None, q: Tensor, alpha: Tensor | None, impl: str | None = None) -> Tensor:
     """out: (B, Hq, T, D); seen from `isolate`; q: (B, Hq, T, D); alpha: (B, Hq, T) or None -> out with nan in
     every query that saw a non-finite key or value, or whose q row or alpha is non-finite, in one masked pass.
     Fast kernels otherwise return a finite row there (their running max skips a nan logit, and -inf logits read as
-    "sees no key" give 0); the rule is one for every backend."""
+    "sees no key" give 0); the rule is one for every backend. impl: "triton" runs it as one fused pass that also
+    tests q and alpha (nonfinite_triton.py), else torch ops."""
     if seen is None and _asks(q) and math.isfinite(float(q.detach().sum() + (0 if alpha is None
                                                                               else alpha.detach().sum()))):
         return out  # the common case: one reduction per tensor, no pass over the output
+    fused = _fused(impl)
+    if fused:
+        return fused.poison(out, q, alpha, seen)
     B, Hq, T, D = out.shape
     hit = ~_finite_rows(q)  # (B, Hq, T)
     if alpha is not None:
