@@ -11,6 +11,7 @@ AREAS = (
     "affine_attention.hf.cli",
     "affine_attention.eval.cli",
     "affine_attention.analysis.cli",
+    "affine_attention.serving.vllm_cpu_alias",
 )
 
 

