@@ -219,3 +219,58 @@ def test_claims_verdicts_fit_a_1280px_window_in_chromium(run_dir, tmp_path):
     # This fixture's softmax forms no sink, so the first-token row is not testable, and says why in a note.
     assert any(v.startswith("– not testable here [") for t in claims for v in t["verdicts"])
     assert '<ol class="notes"><li>softmax forms no attention sink' in (run_dir / "report.html").read_text()
+
+
+def test_the_report_opens_with_the_summary_of_the_papers_claims(run_dir):
+    """The answer first: after the title, the Summary (the paper's method's claims in words, then its table with
+    effect, spread, n and verdicts); the evidence (Set-up, Tables 1-3) after it; affine is not repeated in Claims."""
+    md = (run_dir / "report.md").read_text()
+    heads = re.findall(r"^## (.+)$", md, re.M)
+    assert heads[:3] == ["Summary", "Set-up", "Results"], heads
+    summary = md[md.index("## Summary"):md.index("## Set-up")]
+    claims = json.loads((run_dir / "summary.json").read_text())["claims"]
+    rows = claims["methods"]["affine"]["rows"]
+    assert "**Summary. The paper's claims for affine" in summary
+    from affine_attention.analysis.claims import marked
+
+    for r in rows:  # every claim's row, with the effect as summary.json records it and its verdict
+        d, v = r["baseline"]["diff"], marked(r["baseline"]["verdict"])
+        effect = f"{d['mean']:+.3g}" + (f" ± {d['std']:.3g}" if d["std"] is not None else "") + f" (n={d['n']})"
+        assert re.search(rf"\| {re.escape(r['text'])} \| {r['metric']} \| [^|]+ \| {re.escape(effect)} \| "
+                         rf"{re.escape(v)}( \[\d\])? \|", summary), (r, summary)
+    first = summary.split("\n\n")[1]  # the verdicts in words, against the baseline and the control
+    assert first.startswith("affine against softmax (2 paired seeds): ") and "affine against affine_frozen" in first
+    assert "The paper's claims for affine, against" not in md  # shown once, in the Summary
+
+
+def test_table_3_reads_the_claims_numbers_and_verdicts(run_dir):
+    """Table 3's row affine − affine_frozen gives, for each loss, the Claims row's paired mean ± std and verdict."""
+    md = (run_dir / "report.md").read_text()
+    claims = json.loads((run_dir / "summary.json").read_text())["claims"]
+    from affine_attention.analysis.claims import marked
+
+    rows = {r["claim"]: r["control"] for r in claims["methods"]["affine"]["rows"]}
+    assert claims["methods"]["affine"]["control"] == "affine_frozen"
+    line = next(x for x in md.splitlines() if x.startswith("| affine − affine_frozen |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    for key, (num, verdict) in (("heldout", (2, 3)), ("train_loss", (4, 5))):
+        d = rows[key]["diff"]
+        assert cells[num] == f"{d['mean']:+.4f} ± {d['std']:.4f}", (key, cells)
+        assert cells[verdict] == marked(rows[key]["verdict"]), (key, cells, rows[key])
+
+
+def test_every_verdict_in_summary_json_follows_the_rule(run_dir):
+    from test_claims import _check_verdicts
+
+    claims = json.loads((run_dir / "summary.json").read_text())["claims"]
+    assert _check_verdicts(claims) == 8  # losses and gradients x 2 references (attention: one seed)
+
+
+def test_gradient_figure_has_one_panel_when_the_window_is_the_whole_run(run_dir):
+    """The 60-step run is shorter than the 500-step window: a second panel would repeat the first."""
+    from matplotlib.image import imread
+
+    grad, loss = imread(run_dir / "figures" / "grad_norm.png"), imread(run_dir / "figures" / "loss.png")
+    assert grad.shape[1] < 0.65 * loss.shape[1], (grad.shape, loss.shape)
+    md = (run_dir / "report.md").read_text()
+    assert "first seed (not averaged: averaging hides spikes); all 60 logged steps" in md
