@@ -156,6 +156,24 @@ def check_compare_dir(out_dir: Path, cfg: RunConfig, seeds: int, resume: bool) -
                             where="comparison")
 
 
+def check_variants(names: list[str]) -> None:
+    """compare.variants before anything trains: a typo found at the third variant would cost the first two runs."""
+    import difflib
+
+    from ..variants import variant_names
+
+    known = variant_names()
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            raise ValueError(f"compare.variants: unknown variant {name!r}"
+                             + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + f"; choose from {', '.join(known)} (nothing was trained)")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"compare.variants names {', '.join(twice)} more than once; list each variant once")
+
+
 def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, resume: bool = False,
             log=print) -> dict[str, Any]:
     """Train every variant for every seed (`seeds`, default compare.seeds) into out_dir and write summary.json /
@@ -166,6 +184,7 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, re
     if seeds is None:
         seeds = cfg.compare.seeds
     field_range(CompareConfig, "seeds").check("--seeds", seeds)  # the range compare.seeds declares
+    check_variants(cfg.compare.variants)
     # Every rank, before rank 0 writes: setup's rendezvous waits for every rank, so none checks after the writes.
     check_compare_dir(out_dir, cfg, seeds, resume)
     info = setup(cfg.train.device)
