@@ -54,18 +54,18 @@ class MinEffect:
             return self.size
         return None if baseline_mean is None else self.size * abs(baseline_mean)
 
-    def words(self) -> str:
-        return f"{self.size:.1%} of the baseline's value" if self.relative else f"{self.size:g}"
+    def words(self, baseline: str = "the baseline") -> str:
+        return f"{self.size:.1%} of {baseline}'s value" if self.relative else f"{self.size:g}"
 
 
 # About half the smallest gain the paper reports for the metric where it reports one (PAPER.md, 1B unless said), so
 # a paper-sized effect counts; 10% of the baseline's value for the attention metrics the paper shows only as figures.
 MIN_EFFECT = {
-    "final_train_loss": MinEffect(0.002, True, "the paper's loss gain is 0.37% (2.73 -> 2.72)"),
+    "final_train_loss": MinEffect(0.002, True, "the paper's loss gain is 0.37%: 2.73 -> 2.72 at 1B"),
     "heldout_loss": MinEffect(0.002, True, "the paper's smallest perplexity gain, 71.7 -> 70.6 at 0.5B, is 0.36% "
                               "of the log-perplexity"),
-    "grad_cv": MinEffect(0.04, True, "the paper's CV gain is 7.8% (2.19 -> 2.02)"),
-    "spikes_k9": MinEffect(0.5, False, "spikes; the paper's gain is one spike (28 -> 27)"),
+    "grad_cv": MinEffect(0.04, True, "the paper's CV gain is 7.8%: 2.19 -> 2.02 at 1B"),
+    "spikes_k9": MinEffect(0.5, False, "spikes; the paper's gain is one spike: 28 -> 27 at 1B"),
     "first_token_mass": MinEffect(0.1, True, "the paper shows it as a figure only"),
     "dormant_first_token_mass": MinEffect(0.1, True, "the paper shows it as a figure only"),
     "entropy": MinEffect(0.1, True, "the paper shows it as a figure only"),
@@ -198,7 +198,7 @@ def claim_rows(per_seed: dict, *, method: str, baseline: str, control: str | Non
             elif least is None:
                 why = f"{baseline} has no {c.metric} to scale the minimum effect by"
             elif v == "negligible":
-                why = (f"{c.metric}: below the minimum effect {least:.3g} ({rule.words()}; {rule.why})")
+                why = f"{c.metric}: below the minimum effect {least:.3g}, {rule.words(baseline)} ({rule.why})"
             row[ref_name] = {"against": ref, "diff": _summary(diffs), "verdict": v, "why": why}
         rows.append(row)
     return rows

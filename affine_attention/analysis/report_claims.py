@@ -91,8 +91,8 @@ def claims_table(data: dict, method: str, title: str | None = None) -> Table:
                  wrap_columns=(0, 1, 3, 5))
 
 
-def _in_words(data: dict, method: str) -> str:
-    """The verdicts of one method's claims grouped by verdict, per reference: the answer in two sentences."""
+def _in_words(data: dict, method: str) -> list[str]:
+    """The verdicts of one method's claims grouped by verdict, one sentence per reference: the answer in words."""
     m = data["methods"][method]
     out = []
     for side in ("baseline", "control"):
@@ -105,7 +105,7 @@ def _in_words(data: dict, method: str) -> str:
             groups.setdefault(r[side]["verdict"], []).append(r["text"])
         said = "; ".join(f"{claims.marked(v)}: {', '.join(groups[v])}" for v in claims.VERDICT_MARKS if v in groups)
         out.append(f"{method} against {ref} ({n} paired seed{'s' if n != 1 else ''}): {said}.")
-    return " ".join(out)
+    return out
 
 
 def summary_blocks(data: dict, method: str) -> list:
@@ -113,7 +113,7 @@ def summary_blocks(data: dict, method: str) -> list:
     notes, the rule); the evidence follows in the report."""
     if method not in data["methods"]:
         return []
-    return [Heading("Summary"), Para(_in_words(data, method)),
+    return [Heading("Summary"), *map(Para, _in_words(data, method)),
             claims_table(data, method, f"Summary. The paper's claims for {method}: effect (mean ± sample std over "
                                        "paired seeds, n) and verdict")]
 
@@ -129,7 +129,7 @@ def claims_blocks(data: dict, skip: tuple[str, ...] = ()) -> list:
         out.append(Para(f"The claims for {', '.join(skip)} open the report (Summary); the same rule for the other "
                         "methods:"))
     for method in methods:
-        out += [Para(_in_words(data, method)), claims_table(data, method)]
+        out += [*map(Para, _in_words(data, method)), claims_table(data, method)]
     return out
 
 

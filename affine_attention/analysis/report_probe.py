@@ -168,8 +168,8 @@ def _evolution_figure(data: dict, path: Path) -> Path | None:
     # 2 x 2 panels about as wide as the report's column (1,130 px at 1280 px), so fonts keep their size on screen.
     fig, axes = plt.subplots(2, 2, figsize=(10.5, 7.6))
     axes = axes.ravel()
-    panels = [("p_first.dormant", "w_first.dormant", "BOS mass, dormant queries"),
-              ("p_first.active", "w_first.active", "BOS mass, active queries"),
+    panels = [("p_first.dormant", "w_first.dormant", "BOS mass, dormant queries: p (solid), w (dashed)"),
+              ("p_first.active", "w_first.active", "BOS mass, active queries: p (solid), w (dashed)"),
               ("alpha.dormant.mean", "alpha.active.mean", "α: dormant (solid), active (dashed)"),
               ("@backcopy_accuracy", None, "backcopy accuracy")]
     for ax, (solid, dashed, title) in zip(axes, panels):

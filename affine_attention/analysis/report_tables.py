@@ -42,6 +42,8 @@ def _source(src: dict) -> str:
     kind = src.get("kind", "?")
     if kind == "corpus":
         return f"packaged corpus, {src.get('split', '?')} split"
+    if kind == "backcopy":
+        return f"Bigram-Backcopy task, {src.get('split', '?')} split"
     if kind == "files":
         return "files " + ", ".join(src.get("paths", []))
     return f"{kind} {src.get('name', '')} {src.get('subset', '')} ({src.get('split', '')})".replace("  ", " ")
@@ -162,13 +164,14 @@ def control_table(numbers: dict) -> Table | None:
     rows, isolates = [], {}
     for v, c in control_pairs(numbers):
         held, train = paired(numbers, v, c, "heldout_loss"), paired(numbers, v, c, "final_train_loss")
-        rows.append([f"{v} − {c}", str(len(held)), fmt_seeds(held, "{:+.4f}"), loss_verdict(numbers, v, c, "heldout_loss"),
-                     fmt_seeds(train, "{:+.4f}"), loss_verdict(numbers, v, c, "final_train_loss")])
+        rows.append([f"{v} − {c}", str(len(held)), fmt_seeds(held, "{:+.4f}"),
+                     loss_verdict(numbers, v, c, "heldout_loss"), fmt_seeds(train, "{:+.4f}"),
+                     loss_verdict(numbers, v, c, "final_train_loss")])
         isolates[c] = REGISTRY[c].isolates
     if not rows:
         return None
     reading = "; ".join(f"method − {c} isolates {what}" for c, what in isolates.items() if what)
-    least = ", ".join(f"{claims.MIN_EFFECT[k].words()} for {k}" for k in ("heldout_loss", "final_train_loss"))
+    least = ", ".join(f"{claims.MIN_EFFECT[k].words(BASELINE)} for {k}" for k in ("heldout_loss", "final_train_loss"))
     cap = ("Differences paired by seed (same initial weights and data order), mean ± sample std over seeds; "
            "negative = the method has the lower loss. Each verdict is the Claims rule's on that column (lower loss "
            f"claimed; minimum effect {least}), so it matches the Claims rows 'lower held-out perplexity' and "
