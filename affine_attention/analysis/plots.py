@@ -26,6 +26,7 @@ __all__ = [
 
 DPI = 150
 _PANEL = (4.4, 3.6)  # inches per panel
+_MAX_WIDTH = 10.5  # inches: a wider grid is shrunk, text included, into the report's ~1,130 px column at 1280 px
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -73,7 +74,8 @@ def _smooth(y: np.ndarray, k: int) -> np.ndarray:
 def _figure(nrows: int, ncols: int, title: str, size=_PANEL):
     from matplotlib.figure import Figure  # lazy: the rest of the package works without matplotlib
 
-    fig = Figure(figsize=(size[0] * ncols, size[1] * nrows), layout="constrained")
+    shrink = min(1.0, _MAX_WIDTH / (size[0] * ncols))
+    fig = Figure(figsize=(size[0] * ncols * shrink, size[1] * nrows * shrink), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False)
     fig.suptitle(title)
     return fig, axes
@@ -171,13 +173,8 @@ def _no_data(ax) -> None:
 def _minus(data: dict, reference: str) -> dict:
     """variant -> (steps, variant − reference) on the steps both logged; the reference left out."""
     rs, rv = data[reference]
-    out = {}
-    for k, (s, v) in data.items():
-        if k == reference:
-            continue
-        common, i, j = np.intersect1d(s, rs, return_indices=True)
-        out[k] = (common, v[i] - rv[j])
-    return out
+    pairs = {k: (s, v, np.intersect1d(s, rs, return_indices=True)) for k, (s, v) in data.items() if k != reference}
+    return {k: (common, v[i] - rv[j]) for k, (s, v, (common, i, j)) in pairs.items()}
 
 
 def plot_loss_curves(curves: Mapping[str, tuple], path, zoom_last_frac: float = 0.3, *,
