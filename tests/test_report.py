@@ -214,8 +214,9 @@ def test_claims_verdicts_fit_a_1280px_window_in_chromium(run_dir, tmp_path):
         assert all(right <= t["right"] + 1 for _, right in t["heads"]), (t["title"], t["heads"])
     for t in claims:
         # each verdict with its mark, read at a glance in a wide table
-        assert t["verdicts"] and all(re.fullmatch(r"(✓ holds|✗ does not hold|≈ within seed spread|– not testable "
-                                                  r"here)( \[\d+\])?", v) for v in t["verdicts"]), t["verdicts"]
+        assert t["verdicts"] and all(re.fullmatch(r"(✓ holds|✗ does not hold|≈ within seed spread|○ negligible|"
+                                                  r"– not testable here)( \[\d+\])?", v) for v in t["verdicts"]), \
+            t["verdicts"]
     # This fixture's softmax forms no sink, so the first-token row is not testable, and says why in a note.
     assert any(v.startswith("– not testable here [") for t in claims for v in t["verdicts"])
     assert '<ol class="notes"><li>softmax forms no attention sink' in (run_dir / "report.html").read_text()
