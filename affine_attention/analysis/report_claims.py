@@ -155,7 +155,8 @@ def run_claims_text(run_dir: str | Path) -> str:
     path = Path(run_dir) / "summary.json"
     data = json.loads(path.read_text()).get("claims") if path.is_file() else None
     lines = claims_lines(data) if data else []
-    return "\n".join(["Claims (verdicts by the rule stated under the report's claims tables):", *lines]) if lines else ""
+    head = "Claims (verdicts by the rule stated under the report's claims tables):"
+    return "\n".join([head, *lines]) if lines else ""
 
 
 def record_claims(run_dir: Path, summary: dict, data: dict, extra: dict | None = None) -> None:
