@@ -56,7 +56,12 @@ def _compare(args) -> int:
 
         # Before any training: a typo or a fixture task must not cost the whole run.
         check_tasks(args.tasks, args.include_path)
-    out, main = run_compare(args)
+    after = None
+    if args.report:
+        from .analysis.report import estimate
+
+        after = estimate  # the progress lines' time left includes the report that follows training
+    out, main = run_compare(args, after)
     if main and args.tasks:
         from .eval.runs import evaluate_run
 

@@ -55,28 +55,23 @@ def test_default_compare_writes_summary_and_report(tmp_path):
 
 
 def _check_claims(summary: dict, md: str) -> None:
-    """Every claim row has a verdict, and the verdict is the rule's on the paired numbers summary.json records."""
-    from affine_attention.analysis.claims import CLAIMS, verdict
+    """Every claim row has a verdict, and the verdict is the rule's on the numbers summary.json records (paired mean,
+    sample std, n, the metric's minimum effect); the report opens with the paper's method's claims."""
+    from test_claims import _check_verdicts
 
-    claims = summary["claims"]
-    assert "## Claims" in md and claims["rule"] in md
-    rows = claims["methods"]["affine"]["rows"]
     from affine_attention.variants import REGISTRY
 
+    claims = summary["claims"]
+    assert md.index("## Summary") < md.index("## Set-up") and claims["rule"] in md
+    rows = claims["methods"]["affine"]["rows"]
     assert claims["methods"]["affine"]["control"] == REGISTRY["affine"].controls[0]
-    direction = {c.metric: c.direction for c in CLAIMS}
-    assert {"train_loss", "heldout", "grad_cv", "spikes", "first_token", "entropy", "heads"} <= {r["claim"] for r in rows}
+    claimed = {r["claim"] for r in rows}
+    assert {"train_loss", "heldout", "grad_cv", "spikes", "first_token", "entropy", "heads"} <= claimed
     for r in rows:
         for side in ("baseline", "control"):
-            got = r[side]
-            assert got["verdict"] in ("holds", "does not hold", "within seed spread", "not testable here")
-            assert got["diff"]["n"] == 3, (r["claim"], side, got)
-            if r["claim"] == "first_token" and claims["baseline_sink"] is not True:
-                assert got["verdict"] == "not testable here"
-                continue
-            d = got["diff"]
-            # Rebuild n paired differences with the recorded mean and sample std: the rule reads only those.
-            import math
-            n, m, s = d["n"], d["mean"], d["std"]
-            spread = [m - s * math.sqrt((n - 1) / 2), m + s * math.sqrt((n - 1) / 2)] + [m] * (n - 2)
-            assert verdict(spread, direction[r["metric"]]) == got["verdict"], (r["claim"], side, got)
+            assert r[side]["diff"]["n"] == 3, (r["claim"], side, r[side])
+            if r["claim"].startswith("first_token") and claims["baseline_sink"] is not True:
+                assert r[side]["verdict"] == "not testable here"
+            if r["claim"] == "heads":  # one head per layer in the sink-probe preset
+                assert r[side]["verdict"] == "not testable here" and r[side]["why"].startswith("one head per layer")
+    assert _check_verdicts(claims) >= 24

@@ -64,6 +64,23 @@ def test_eval_ppl_only(model_dir, tmp_path, capsys):
     assert "| perplexity source |" in capsys.readouterr().out
 
 
+def test_ppl_without_seq_len_uses_the_models_position_limit(model_dir, tmp_path, capsys):
+    """The README's `eval --ppl FILE` names no window: on a model with fewer positions than the default 1024 (this
+    one 512; a default compare checkpoint 32) it measures windows of the model's length, as --seq-len would."""
+    import json
+
+    text = tmp_path / "doc.txt"
+    text.write_text("It was a bright cold day, and the clocks were striking the hour. " * 200)
+    got = {}
+    for name, extra in (("default", []), ("explicit", ["--seq-len", "512"])):
+        args = parse(["eval", "--model", str(model_dir), "--ppl", str(text), "--out", str(tmp_path / name), *extra])
+        assert args.func(args) == 0
+        got[name] = json.loads((tmp_path / name / "results.json").read_text())["perplexity"]
+        said = capsys.readouterr()
+        assert ("windows of 512 tokens, the model's max_position_embeddings" in said.err) == (name == "default")
+    assert got["default"]["tokens"] > 512 and got["default"]["ppl"] == got["explicit"]["ppl"]
+
+
 def test_argument_errors(model_dir, tmp_path):
     with pytest.raises(ValueError, match="nothing to do"):
         args = parse(["eval", "--model", str(model_dir)])

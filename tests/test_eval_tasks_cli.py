@@ -76,3 +76,19 @@ def test_lm_evals_own_command_runs_the_written_tasks(written, model_dir, tmp_pat
     for name in ("fixture_piqa", "fixture_arc_easy"):
         assert raw["n-samples"][name] == {"original": len(rows(name)), "effective": 4}
         assert 0.0 <= raw["results"][name]["acc,none"] <= 1.0
+
+
+# The README's text, copied here (a later change reads it from the README itself: tests/documented_commands.py).
+README_WRITE_TASKS = "affine-attention eval --write-tasks runs/fixture_tasks"
+
+
+def test_the_readmes_write_tasks_command_leaves_nothing_in_the_repository_root(tmp_path, monkeypatch):
+    """Run from a clone's root, the README's command writes into runs/, which the repository ignores."""
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    assert main(shlex.split(README_WRITE_TASKS)[1:]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"]
+    assert {f"{t}.yaml" for t in FIXTURE_TASKS} <= {p.name for p in (tmp_path / "runs" / "fixture_tasks").iterdir()}
+    ignored = (Path(__file__).resolve().parents[1] / ".gitignore").read_text().splitlines()
+    assert "runs/" in ignored

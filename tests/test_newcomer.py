@@ -82,3 +82,33 @@ def test_probe_triggers_are_shown_as_the_text_they_stand_for():
 
     bc = probe_task(load_config("sink-probe").to_dict())
     assert [readable(bc.names[i]) for i in bc.triggers] == ["\n", ",", "."]  # the preset's comment names them so
+
+
+def test_the_readmes_train_then_resume_continues_from_a_mid_run_checkpoint(tiny, tmp_path):  # noqa: F811
+    """The README's pair `train --config tiny ... --out DIR`, then `train --out DIR --resume`: a run stopped after
+    step 120 of 130 resumes from the preset's last periodic checkpoint (step 120), not from step 0."""
+    from test_train_helpers import unfinish
+
+    run = tmp_path / "sink"
+    first = cli_in_process(["train", "--config", "tiny", *sets(tiny + ["train.steps=130"]), "--set",
+                            "variant.name=sink", "--out", str(run)])
+    assert first.returncode == 0, first.stderr
+    unfinish(run)  # what a kill after the last periodic checkpoint leaves
+    again = cli_in_process(["train", "--out", str(run), "--resume"])
+    assert again.returncode == 0, again.stderr
+    assert "starts over from step 0" not in again.stderr, again.stderr
+    import json
+
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x).get("kind") == "train"]
+    assert steps[-1] == 130 and steps.count(121) == 1 and min(s for s in steps if s > 120) == 121
+    assert "step 120" in again.stderr or "step-00000120" in again.stderr, again.stderr
+
+
+def test_a_variant_typo_in_compare_variants_is_refused_before_any_training(tiny, tmp_path):  # noqa: F811
+    out = tmp_path / "cmp"
+    done = cli_in_process(["compare", "--config", "tiny", *sets(tiny + ["train.steps=2"]), "--set",
+                           "compare.variants=['softmax', 'afine']", "--out", str(out)])
+    assert done.returncode == 2
+    assert "error: compare.variants: unknown variant 'afine' (did you mean 'affine'?)" in done.stderr, done.stderr
+    assert not out.exists()  # nothing trained, nothing written

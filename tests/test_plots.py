@@ -61,6 +61,23 @@ def test_mass_histograms(tmp_path):
     check_png(plots.plot_mass_histograms(totals, tmp_path / "mass.png"))
 
 
+def test_loss_difference_panel_and_grids_that_fit_the_report(tmp_path):
+    """The right loss panel with a reference shows each other variant minus it on the steps both logged; a grid of
+    every registered variant's panels is no wider than the report shows without shrinking its text below ~11 px."""
+    from affine_attention.analysis.plots import _minus
+
+    got = _minus({"softmax": (np.array([1.0, 2, 3]), np.array([1.0, 1, 1])),
+                  "affine": (np.array([2.0, 3, 4]), np.array([0.5, 2, 9]))}, "softmax")
+    assert list(got) == ["affine"] and got["affine"][0].tolist() == [2, 3] and got["affine"][1].tolist() == [-0.5, 1]
+    check_png(plots.plot_loss_curves(curves(), tmp_path / "loss.png", reference="softmax"))
+    with pytest.raises(ValueError, match="reference 'ssmax' is not one of the curves"):
+        plots.plot_loss_curves(curves(), tmp_path / "x.png", reference="ssmax")
+    totals = {v: rng.random(500) for v in variants.variant_names()}  # 9 panels: 3 columns
+    img = imread(plots.plot_mass_histograms(totals, tmp_path / "grid.png"))
+    # shown in the report's ~1,130 px column: at most 1.4x wider, so 10 pt text stays above ~14 px (1,997 px before)
+    assert img.shape[1] <= 1600, img.shape
+
+
 def test_attention_map(tmp_path):
     tri = np.tril(np.ones((30, 30))) / np.arange(1, 31)[:, None]
     signed = tri - 0.05 * np.tril(np.ones((30, 30)))  # affine rows go negative

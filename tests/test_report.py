@@ -214,8 +214,96 @@ def test_claims_verdicts_fit_a_1280px_window_in_chromium(run_dir, tmp_path):
         assert all(right <= t["right"] + 1 for _, right in t["heads"]), (t["title"], t["heads"])
     for t in claims:
         # each verdict with its mark, read at a glance in a wide table
-        assert t["verdicts"] and all(re.fullmatch(r"(✓ holds|✗ does not hold|≈ within seed spread|– not testable "
-                                                  r"here)( \[\d+\])?", v) for v in t["verdicts"]), t["verdicts"]
+        assert t["verdicts"] and all(re.fullmatch(r"(✓ holds|✗ does not hold|≈ within seed spread|○ negligible|"
+                                                  r"– not testable here)( \[\d+\])?", v) for v in t["verdicts"]), \
+            t["verdicts"]
     # This fixture's softmax forms no sink, so the first-token row is not testable, and says why in a note.
     assert any(v.startswith("– not testable here [") for t in claims for v in t["verdicts"])
     assert '<ol class="notes"><li>softmax forms no attention sink' in (run_dir / "report.html").read_text()
+
+
+def test_the_report_opens_with_the_summary_of_the_papers_claims(run_dir):
+    """The answer first: after the title, the Summary (the paper's method's claims in words, then its table with
+    effect, spread, n and verdicts); the evidence (Set-up, Tables 1-3) after it; affine is not repeated in Claims."""
+    md = (run_dir / "report.md").read_text()
+    heads = re.findall(r"^## (.+)$", md, re.M)
+    assert heads[:3] == ["Summary", "Set-up", "Results"], heads
+    summary = md[md.index("## Summary"):md.index("## Set-up")]
+    claims = json.loads((run_dir / "summary.json").read_text())["claims"]
+    rows = claims["methods"]["affine"]["rows"]
+    assert "**Summary. The paper's claims for affine" in summary
+    from affine_attention.analysis.claims import marked
+
+    for r in rows:  # every claim's row, with the effect as summary.json records it and its verdict
+        d, v = r["baseline"]["diff"], marked(r["baseline"]["verdict"])
+        effect = f"{d['mean']:+.3g}" + (f" ± {d['std']:.3g}" if d["std"] is not None else "") + f" (n={d['n']})"
+        assert re.search(rf"\| {re.escape(r['text'])} \| {r['metric']} \| [^|]+ \| {re.escape(effect)} \| "
+                         rf"{re.escape(v)}( \[\d\])? \|", summary), (r, summary)
+    said = summary.split("\n\n")[1:3]  # the verdicts in words, against the baseline and then the control
+    assert said[0].startswith("affine against softmax (2 paired seeds): ✗ does not hold: lower training loss, ")
+    assert said[1].startswith("affine against affine_frozen (2 paired seeds): ✓ holds: lower training loss, ")
+    assert "The paper's claims for affine, against" not in md  # shown once, in the Summary
+
+
+def test_table_3_reads_the_claims_numbers_and_verdicts(run_dir):
+    """Table 3's row affine − affine_frozen gives, for each loss, the Claims row's paired mean ± std and verdict."""
+    md = (run_dir / "report.md").read_text()
+    claims = json.loads((run_dir / "summary.json").read_text())["claims"]
+    from affine_attention.analysis.claims import marked
+
+    rows = {r["claim"]: r["control"] for r in claims["methods"]["affine"]["rows"]}
+    assert claims["methods"]["affine"]["control"] == "affine_frozen"
+    line = next(x for x in md.splitlines() if x.startswith("| affine − affine_frozen |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    for key, (num, verdict) in (("heldout", (2, 3)), ("train_loss", (4, 5))):
+        d = rows[key]["diff"]
+        assert cells[num] == f"{d['mean']:+.4f} ± {d['std']:.4f}", (key, cells)
+        assert cells[verdict] == marked(rows[key]["verdict"]), (key, cells, rows[key])
+
+
+def test_every_verdict_in_summary_json_follows_the_rule(run_dir):
+    from test_claims import _check_verdicts
+
+    claims = json.loads((run_dir / "summary.json").read_text())["claims"]
+    assert _check_verdicts(claims) == 8  # losses and gradients x 2 references (attention: one seed)
+
+
+def test_gradient_figure_has_one_panel_when_the_window_is_the_whole_run(run_dir):
+    """The 60-step run is shorter than the 500-step window: a second panel would repeat the first."""
+    from matplotlib.image import imread
+
+    grad, loss = imread(run_dir / "figures" / "grad_norm.png"), imread(run_dir / "figures" / "loss.png")
+    assert grad.shape[1] < 0.65 * loss.shape[1], (grad.shape, loss.shape)
+    md = (run_dir / "report.md").read_text()
+    assert "first seed (not averaged: averaging hides spikes); all 60 logged steps" in md
+
+
+def test_a_claims_table_with_long_names_fits_1280px_in_chromium(tmp_path):
+    """affine_gated against scaled_softmax, the default run's longest pair: the long header wraps with its column,
+    so the verdicts stay in view (a header that did not wrap pushed the last verdict column out of the window)."""
+    import html as html_mod
+
+    from affine_attention.analysis.claims import claim_rows
+    from affine_attention.analysis.report_claims import claims_table
+    from affine_attention.analysis.report_template import to_html
+
+    exe = _chromium()
+    metrics = ["final_train_loss", "heldout_loss", "grad_cv", "spikes_k9", "first_token_mass",
+               "dormant_first_token_mass", "entropy", "head_mass_cv"]
+    per_seed = {v: {s: {m: 1.0 + 0.1 * i + 0.001 * s + 0.0001 * k for k, m in enumerate(metrics)} for s in range(3)}
+                for i, v in enumerate(["softmax", "affine_gated", "scaled_softmax"])}
+    rows = claim_rows(per_seed, method="affine_gated", baseline="softmax", control="scaled_softmax",
+                      baseline_sink=True, untestable={"heads": "one head per layer"})
+    data = {"rule": "the rule", "baseline": "softmax", "methods": {"affine_gated": {"control": "scaled_softmax",
+                                                                                     "rows": rows}}}
+    page = tmp_path / "claims.html"
+    page.write_text(to_html([claims_table(data, "affine_gated")], "claims").replace("</body>",
+                                                                                    _LAYOUT_PROBE + "</body>"))
+    dom = subprocess.run(_chromium_cmd(exe, tmp_path, "--window-size=1280,2000", "--dump-dom", page.as_uri()),
+                         check=True, capture_output=True, timeout=120, text=True).stdout
+    (t,) = json.loads(html_mod.unescape(re.search(r'<pre id="layout">(.*?)</pre>', dom, re.S).group(1)))
+    assert t["scroll"] <= t["client"] + 1 and t["right"] <= 1280, t
+    assert [h for h, _ in t["heads"]][-2].replace("\n", " ") == "affine_gated − scaled_softmax"
+    assert len(t["verdicts"]) == 16 and all(v.split(" [")[0] in ("○ negligible", "≈ within seed spread", "✓ holds",
+                                                                 "✗ does not hold", "– not testable here")
+                                            for v in t["verdicts"]), t["verdicts"]

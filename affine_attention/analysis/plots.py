@@ -26,6 +26,7 @@ __all__ = [
 
 DPI = 150
 _PANEL = (4.4, 3.6)  # inches per panel
+_MAX_WIDTH = 10.5  # inches: a wider grid is shrunk, text included, into the report's ~1,130 px column at 1280 px
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -73,7 +74,8 @@ def _smooth(y: np.ndarray, k: int) -> np.ndarray:
 def _figure(nrows: int, ncols: int, title: str, size=_PANEL):
     from matplotlib.figure import Figure  # lazy: the rest of the package works without matplotlib
 
-    fig = Figure(figsize=(size[0] * ncols, size[1] * nrows), layout="constrained")
+    shrink = min(1.0, _MAX_WIDTH / (size[0] * ncols))
+    fig = Figure(figsize=(size[0] * ncols * shrink, size[1] * nrows * shrink), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False)
     fig.suptitle(title)
     return fig, axes
@@ -168,29 +170,49 @@ def _no_data(ax) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # training curves
 # ---------------------------------------------------------------------------------------------------------------
+def _minus(data: dict, reference: str) -> dict:
+    """variant -> (steps, variant − reference) on the steps both logged; the reference left out."""
+    rs, rv = data[reference]
+    pairs = {k: (s, v, np.intersect1d(s, rs, return_indices=True)) for k, (s, v) in data.items() if k != reference}
+    return {k: (common, v[i] - rv[j]) for k, (s, v, (common, i, j)) in pairs.items()}
+
+
 def plot_loss_curves(curves: Mapping[str, tuple], path, zoom_last_frac: float = 0.3, *,
-                     title: str = "Training loss", ylabel: str = "loss", smooth: int = 1) -> Path:
+                     title: str = "Training loss", ylabel: str = "loss", smooth: int = 1,
+                     reference: str | None = None) -> Path:
     """Loss curves, full run (left) and the last `zoom_last_frac` of the step range (right).
 
     curves: variant -> (steps (N,), values (N,)). smooth: trailing moving-average window in points (1 = raw).
-    The zoom panel's y-limits fit the data inside the zoom window, where the variants' differences show.
+    The zoom panel's y-limits fit the data inside the zoom window. reference: a variant in curves; the zoom panel
+    then shows each other variant minus it (curves of nearly equal losses overlap at any zoom; their differences
+    do not), with a line at zero.
     """
     data = _curves(curves, "curves")
     if not 0 < zoom_last_frac <= 1:
         raise ValueError(f"zoom_last_frac must be in (0, 1], got {zoom_last_frac}")
+    if reference is not None and reference not in data:
+        raise ValueError(f"reference {reference!r} is not one of the curves ({', '.join(data)})")
     fig, axes = _figure(1, 2, title)
     full, zoom = axes[0]
+    right = _minus(data, reference) if reference is not None else data
+    _plot_lines(full, data, smooth)
+    _plot_lines(zoom, right, smooth)
     for ax in (full, zoom):
-        _plot_lines(ax, data, smooth)
         ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
+    full.set_ylabel(ylabel)
     full.set_title("full run")
-    zoom.set_title(f"last {zoom_last_frac:.0%} of steps")
+    if reference is not None:
+        zoom.axhline(0.0, color=style_for(reference).color, linewidth=1.2, zorder=0)
+        zoom.set_ylabel(f"{ylabel} − {style_for(reference).label}")
+        zoom.set_title(f"difference to {style_for(reference).label}, last {zoom_last_frac:.0%} of steps")
+    else:
+        zoom.set_ylabel(ylabel)
+        zoom.set_title(f"last {zoom_last_frac:.0%} of steps")
     steps = np.concatenate([s for s, _ in data.values()])
     if steps.size:
         lo, hi = float(steps.min()), float(steps.max())
-        _zoom(zoom, data, hi - zoom_last_frac * (hi - lo), hi, smooth)
+        _zoom(zoom, right, hi - zoom_last_frac * (hi - lo), hi, smooth)
     _legend(fig, full)
     return _save(fig, path)
 

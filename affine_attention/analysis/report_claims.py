@@ -1,5 +1,6 @@
-"""The report's Claims section: a run's per-seed numbers put through claims.py's rule for each method, as one table
-per method and, machine-readable, in summary.json."""
+"""The report's Summary and Claims sections: a run's per-seed numbers put through claims.py's rule for each method, as
+one table per method (the paper's method's opens the report, with its verdicts in words) and, machine-readable, in
+summary.json."""
 from __future__ import annotations
 
 import json
@@ -10,9 +11,10 @@ from ..variants import REFERENCE as BASELINE
 from ..variants import REGISTRY
 from . import claims
 from .compare_run import BEFORE, SeedRun, output_scale
-from .report_template import Heading, Table
+from .report_template import Heading, Para, Table
 
-__all__ = ["claims_data", "claims_blocks", "claims_lines", "record_claims", "run_claims_text"]
+__all__ = ["claims_data", "claims_table", "summary_blocks", "claims_blocks", "claims_lines", "record_claims",
+           "run_claims_text"]
 
 
 def claims_data(runs: dict[str, list[SeedRun]], numbers: dict, gwin: tuple[int, int], by_seed: dict,
@@ -38,6 +40,11 @@ def claims_data(runs: dict[str, list[SeedRun]], numbers: dict, gwin: tuple[int, 
         sink, criterion = sink
     else:
         sink = claims.baseline_sink(att.get(BASELINE, {}), length)
+    heads = {a["heads_per_layer"] for per in att.values() for a in per.values() if a.get("heads_per_layer")}
+    untestable = {}
+    if heads and max(heads) == 1:
+        untestable["heads"] = ("one head per layer: the spread of head masses would compare layers, not heads, so "
+                               "head utilisation cannot be read here")
     out = {"rule": claims.RULE_TEXT + (f" This run's sink test replaces that one: {criterion}." if criterion else ""),
            "baseline": BASELINE, "baseline_sink": sink, "sink_criterion": criterion, "methods": {}}
     for v in runs:
@@ -46,42 +53,83 @@ def claims_data(runs: dict[str, list[SeedRun]], numbers: dict, gwin: tuple[int, 
         ctrl = next((c for c in REGISTRY[v].controls if c in runs), None)
         out["methods"][v] = {"control": ctrl, "rows": claims.claim_rows(per_seed, method=v, baseline=BASELINE,
                                                                         control=ctrl, baseline_sink=sink,
-                                                                        sink_criterion=criterion)}
+                                                                        sink_criterion=criterion,
+                                                                        untestable=untestable)}
     return out
 
 
-def claims_blocks(data: dict) -> list:
-    """The report's Claims section from `claims_data`: one table per method, in run order."""
-    if not data["methods"]:
+def _cell(side: dict) -> str:
+    d = side["diff"]
+    if d["n"] == 0:
+        return "-"
+    spread = f" ± {d['std']:.3g}" if d["std"] is not None else ""
+    return f"{d['mean']:+.3g}{spread} (n={d['n']})"
+
+
+def claims_table(data: dict, method: str, title: str | None = None) -> Table:
+    """One method's claims from `claims_data`: the paired effect (mean ± std, n) and verdict against the baseline
+    and against its control, the metric's minimum effect, and a numbered note per distinct reason."""
+    m = data["methods"][method]
+    ctrl = m["control"] or "control"
+    notes: list[str] = []
+
+    def verdict(side: dict) -> str:
+        # The verdict stays a few words so the table fits a page; its reason becomes a numbered note below the
+        # table (one number per distinct reason), which the reader finds by the marker.
+        if not side.get("why"):
+            return claims.marked(side["verdict"])
+        if side["why"] not in notes:
+            notes.append(side["why"])
+        return f"{claims.marked(side['verdict'])} [{notes.index(side['why']) + 1}]"
+
+    rows = [[r["text"], r["metric"], "-" if r.get("min_effect") is None else f"{r['min_effect']:.3g}",
+             _cell(r["baseline"]), verdict(r["baseline"]), _cell(r["control"]), verdict(r["control"])]
+            for r in m["rows"]]
+    return Table(["paper's claim", "measured as", "min. effect", f"{method} − {BASELINE}", "verdict",
+                  f"{method} − {ctrl}", "verdict"], rows, data["rule"],
+                 title or f"The paper's claims for {method}, against {BASELINE} and against {ctrl}", notes=notes,
+                 wrap_columns=(0, 1, 3, 5))
+
+
+def _in_words(data: dict, method: str) -> list[str]:
+    """The verdicts of one method's claims grouped by verdict, one sentence per reference: the answer in words."""
+    m = data["methods"][method]
+    out = []
+    for side in ("baseline", "control"):
+        ref = data["baseline"] if side == "baseline" else m["control"]
+        if ref is None:
+            continue
+        n = max((r[side]["diff"]["n"] for r in m["rows"]), default=0)
+        groups: dict[str, list[str]] = {}
+        for r in m["rows"]:
+            groups.setdefault(r[side]["verdict"], []).append(r["text"])
+        said = "; ".join(f"{claims.marked(v)}: {', '.join(groups[v])}" for v in claims.VERDICT_MARKS if v in groups)
+        out.append(f"{method} against {ref} ({n} paired seed{'s' if n != 1 else ''}): {said}.")
+    return out
+
+
+def summary_blocks(data: dict, method: str) -> list:
+    """The report's opening: the paper's method's claims in words, then its table (effects, spreads, n, verdicts,
+    notes, the rule); the evidence follows in the report."""
+    if method not in data["methods"]:
         return []
+    return [Heading("Summary"), *map(Para, _in_words(data, method)),
+            claims_table(data, method, f"Summary. The paper's claims for {method}: effect (mean ± sample std over "
+                                       "paired seeds, n) and verdict")]
 
-    def cell(side: dict) -> str:
-        d = side["diff"]
-        if d["n"] == 0:
-            return "-"
-        spread = f" ± {d['std']:.3g}" if d["std"] is not None else ""
-        return f"{d['mean']:+.3g}{spread} (n={d['n']})"
 
-    out = [Heading("Claims")]
-    for method, m in data["methods"].items():
-        ctrl = m["control"] or "control"
-        notes: list[str] = []
-
-        def verdict(side: dict) -> str:
-            # The verdict stays a few words so the table fits a page; its reason becomes a numbered note below the
-            # table (one number per distinct reason), which the reader finds by the marker.
-            if not side.get("why"):
-                return claims.marked(side["verdict"])
-            if side["why"] not in notes:
-                notes.append(side["why"])
-            return f"{claims.marked(side['verdict'])} [{notes.index(side['why']) + 1}]"
-
-        rows = [[r["text"], r["metric"], cell(r["baseline"]), verdict(r["baseline"]), cell(r["control"]),
-                 verdict(r["control"])] for r in m["rows"]]
-        out.append(Table(["paper's claim", "measured as", f"{method} − {BASELINE}", "verdict",
-                          f"{method} − {ctrl}", "verdict"], rows, data["rule"],
-                         f"The paper's claims for {method}, against {BASELINE} and against {ctrl}", notes=notes,
-                         wrap_columns=(0, 1, 2, 4)))
+def claims_blocks(data: dict, skip: tuple[str, ...] = ()) -> list:
+    """The report's Claims section from `claims_data`: one table per method in run order, but those in `skip`
+    (already in the Summary)."""
+    methods = [m for m in data["methods"] if m not in skip]
+    if not methods:
+        return []
+    out: list = [Heading("Claims")]
+    if skip:
+        out.append(Para(f"The claims for {', '.join(skip)} open the report (Summary); the same rule for the other "
+                        "methods:"))
+    for method in methods:
+        out += [*map(Para, _in_words(data, method)), claims_table(data, method)]
     return out
 
 
@@ -107,7 +155,8 @@ def run_claims_text(run_dir: str | Path) -> str:
     path = Path(run_dir) / "summary.json"
     data = json.loads(path.read_text()).get("claims") if path.is_file() else None
     lines = claims_lines(data) if data else []
-    return "\n".join(["Claims (verdicts by the rule stated in the report's Claims section):", *lines]) if lines else ""
+    head = "Claims (verdicts by the rule stated under the report's claims tables):"
+    return "\n".join([head, *lines]) if lines else ""
 
 
 def record_claims(run_dir: Path, summary: dict, data: dict, extra: dict | None = None) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ..text import documents
-from ..variants import REGISTRY
+from ..variants import REFERENCE, REGISTRY
 from . import plots
 from .analyze import load_model, record, token_windows, write_figures
 from .compare_run import BEFORE, SeedRun
@@ -70,26 +70,34 @@ def training_figures(runs: dict[str, list[SeedRun]], figdir: Path, kd: bool, gwi
     smooth = max(1, steps_max // 60)
     loss = {v: c for v, rs in runs.items() if (c := _mean_curve(rs, "loss")) is not None}
     if loss:
-        figs.append(Figure(plots.plot_loss_curves(loss, figdir / "loss.png", smooth=smooth,
+        ref = REFERENCE if REFERENCE in loss and len(loss) > 1 else None
+        figs.append(Figure(plots.plot_loss_curves(loss, figdir / "loss.png", smooth=smooth, reference=ref,
                                                   title="Training loss" + (" (KD objective)" if kd else "")),
                            "Training loss, mean over seeds" +
                            (f" (moving average over {smooth} steps)" if smooth > 1 else "") +
-                           "; right: the last 30% of steps, where the variants separate, if at all."))
+                           (f"; right: each variant minus {ref} over the last 30% of steps (same initial weights "
+                            "and data, so the difference is the variant's effect plus seed noise)" if ref else
+                            "; right: the last 30% of steps") + "."))
     held = {v: c for v, rs in runs.items() if (c := _mean_curve(rs, "heldout_loss", "eval")) is not None
             and c[0].size > 1}
     if held:
         # Evaluations are sparse: zoom on the last three of them, so every zoomed line has its end points.
         ev = sorted({float(x) for steps, _ in held.values() for x in steps})
         frac = min(1.0, (ev[-1] - ev[max(0, len(ev) - 3)]) / (ev[-1] - ev[0]) if ev[-1] > ev[0] else 1.0) or 1.0
+        ref = REFERENCE if REFERENCE in held and len(held) > 1 else None
         figs.append(Figure(plots.plot_loss_curves(held, figdir / "heldout_loss.png", zoom_last_frac=frac,
-                                                  title="Held-out loss", ylabel="held-out loss"),
+                                                  title="Held-out loss", ylabel="held-out loss", reference=ref),
                            "Held-out next-token loss at each evaluation, mean over seeds; right: the last three "
-                           "evaluations."))
+                           "evaluations" + (f", each variant minus {ref}." if ref else ".")))
     gn = {v: rs[0].series("grad_norm") for v, rs in runs.items() if rs[0].series("grad_norm")[0].size}
     if gn:
-        figs.append(Figure(plots.plot_grad_norms(gn, figdir / "grad_norm.png", window=(gwin[0], gwin[1] - 1)),
-                           f"Pre-clip gradient norm of the first seed (not averaged: averaging hides spikes); "
-                           f"right: {glabel}, the window of Table 2."))
+        # A window that covers the whole run would repeat the full panel: then there is one panel, and it is Table 2's.
+        whole = all(s.min() >= gwin[0] and s.max() < gwin[1] for s, _ in gn.values())
+        figs.append(Figure(plots.plot_grad_norms(gn, figdir / "grad_norm.png",
+                                                 window=None if whole else (gwin[0], gwin[1] - 1)),
+                           "Pre-clip gradient norm of the first seed (not averaged: averaging hides spikes)" +
+                           (f"; {glabel}, the window of Table 2." if whole else
+                            f"; right: {glabel}, the window of Table 2.")))
     qk = {v: c for v, rs in runs.items() if (c := _mean_curve(rs, "qk_logit_mean", "eval")) is not None}
     if qk:
         figs.append(Figure(plots.plot_qk_logit(qk, figdir / "qk_logit.png"),

@@ -165,9 +165,11 @@ def _evolution_figure(data: dict, path: Path) -> Path | None:
     L = data["layer"]
     if not any(len(d["evolution"]) > 1 for d in data["variants"].values()):
         return None
-    fig, axes = plt.subplots(1, 4, figsize=(15, 4.2))
-    panels = [("p_first.dormant", "w_first.dormant", "BOS mass, dormant queries"),
-              ("p_first.active", "w_first.active", "BOS mass, active queries"),
+    # 2 x 2 panels about as wide as the report's column (1,130 px at 1280 px), so fonts keep their size on screen.
+    fig, axes = plt.subplots(2, 2, figsize=(10.5, 7.6))
+    axes = axes.ravel()
+    panels = [("p_first.dormant", "w_first.dormant", "BOS mass, dormant queries: p (solid), w (dashed)"),
+              ("p_first.active", "w_first.active", "BOS mass, active queries: p (solid), w (dashed)"),
               ("alpha.dormant.mean", "alpha.active.mean", "α: dormant (solid), active (dashed)"),
               ("@backcopy_accuracy", None, "backcopy accuracy")]
     for ax, (solid, dashed, title) in zip(axes, panels):
@@ -181,16 +183,18 @@ def _evolution_figure(data: dict, path: Path) -> Path | None:
                 if pts:
                     ax.plot(*zip(*pts), ls, color=style.color(v), marker=style.marker(v), ms=3,
                             label=style.label(v) if ls == "-" else None)
-        ax.set_title(title)
-        ax.set_xlabel("step")
+        ax.set_title(title, fontsize=12)
+        ax.set_xlabel("step", fontsize=11)
+        ax.tick_params(labelsize=10)
+        ax.grid(alpha=0.3)
     uni = statistics.fmean(d["mean"][f"L{L}.uniform_first.dormant"]["mean"] for d in data["variants"].values())
     axes[0].axhline(data["factor"] * uni, color="#777", lw=0.8, ls=":")
-    axes[0].text(0.01, data["factor"] * uni, f" {data['factor']:g}x uniform", color="#555", fontsize=8,
+    axes[0].text(0.01, data["factor"] * uni, f" {data['factor']:g}x uniform", color="#555", fontsize=10,
                  transform=axes[0].get_yaxis_transform(), va="bottom")
     # One legend below the panels: inside a panel it would hide the curves it names.
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=min(8, len(data["variants"])),
-               fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=min(4, len(data["variants"])),
+               fontsize=11, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -8,7 +8,7 @@ from .._numbers import mean_std
 from ..variants import REFERENCE as BASELINE
 from ..variants import REGISTRY
 from .compare_run import SeedRun, is_control, reference_run, run_steps
-from .report_tables import fmt_seeds, paired, verdict
+from .report_tables import fmt_seeds, loss_verdict, paired
 
 __all__ = ["paper_method", "title", "controls_note", "honest"]
 
@@ -57,10 +57,11 @@ def honest(runs: dict[str, list[SeedRun]], numbers: dict, grad: dict, window_lab
         else:
             text += " With one seed per variant there is no estimate of run-to-run noise, so no ranking is reliable."
         if BASELINE in numbers:
-            parts = [f"{v} {fmt_seeds(d, '{:+.4f}')} ({verdict(d, '')})" for v in numbers if v != BASELINE
-                     if (d := paired(numbers, v, BASELINE, "heldout_loss"))]
+            parts = [f"{v} {fmt_seeds(d, '{:+.4f}')} ({loss_verdict(numbers, v, BASELINE, 'heldout_loss')})"
+                     for v in numbers if v != BASELINE if (d := paired(numbers, v, BASELINE, "heldout_loss"))]
             if parts:
-                text += f" Paired by seed against {BASELINE} (variant − {BASELINE}): " + "; ".join(parts) + "."
+                text += (f" Paired by seed against {BASELINE} (variant − {BASELINE}), with the Claims rule's verdict "
+                         "on lower held-out loss: " + "; ".join(parts) + ".")
         out.append(text)
     if BASELINE in grad and grad[BASELINE]:
         cv0 = mean_std([p["cv"] for p in grad[BASELINE]])[0]
@@ -77,9 +78,9 @@ def honest(runs: dict[str, list[SeedRun]], numbers: dict, grad: dict, window_lab
     if attn:
         ftm = {v: float(np.nanmean([r.layer_mean("first_token_mass") for r in recs])) for v, recs in attn.items()}
         ent = {v: float(np.nanmean([r.layer_mean("entropy") for r in recs])) for v, recs in attn.items()}
-        out.append("Attention of the final checkpoints (mean over layers): first-token mass " +
-                   ", ".join(f"{v} {x:.3f}" for v, x in ftm.items()) + "; entropy " +
-                   ", ".join(f"{v} {x:.2f}" for v, x in ent.items()) + " nats. These come from one seed and a "
-                   "few held-out sequences; small models trained briefly need not develop the attention sink the "
-                   "paper's analysis starts from.")
+        out.append("Attention of the final checkpoints of the first seed (mean over layers; the figures show the "
+                   "same models): first-token mass " + ", ".join(f"{v} {x:.3f}" for v, x in ftm.items()) +
+                   "; entropy " + ", ".join(f"{v} {x:.2f}" for v, x in ent.items()) + " nats. The Claims read "
+                   f"these metrics on every seed ({n_seeds} per variant here), paired; small models trained briefly "
+                   "need not develop the attention sink the paper's analysis starts from.")
     return out

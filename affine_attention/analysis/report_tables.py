@@ -5,14 +5,15 @@ from __future__ import annotations
 import math
 
 from .._environment import hardware, versions
-from .._numbers import FINAL_LOSS_WINDOW, SPREAD_FACTOR, mean_std, spread_direction
+from .._numbers import FINAL_LOSS_WINDOW, mean_std
 from ..variants import REFERENCE as BASELINE
 from ..variants import REGISTRY, control_pairs
+from . import claims
 from .compare_run import (SeedRun, final_train_loss, heldout, reference_run, role_of, run_config, run_steps,
                           zero_shot_accuracies)
 from .report_template import Table
 
-__all__ = ["fmt_seeds", "paired", "verdict", "setup_rows", "losses_table", "grad_table", "control_table"]
+__all__ = ["fmt_seeds", "paired", "loss_verdict", "setup_rows", "losses_table", "grad_table", "control_table"]
 
 
 def fmt_seeds(values, fmt: str = "{:.4f}") -> str:
@@ -29,24 +30,28 @@ def paired(numbers: dict, a: str, b: str, key: str) -> list[float]:
     return [x[s] - y[s] for s in x if s in y and x[s] is not None and y[s] is not None]
 
 
-def verdict(diffs: list[float], subject: str = "method") -> str:
-    """A rough screen, not a significance test: a direction only when |mean| > SPREAD_FACTOR x the paired sample
-    std (the Claims table's rule, _numbers.spread_direction)."""
-    seen = spread_direction(diffs)
-    if seen is None:
-        return "-" if mean_std(diffs)[2] == 0 else "one seed: no spread estimate"
-    if seen:
-        return f"{subject} {'lower' if seen < 0 else 'higher'}".strip()
-    return "within seed spread"
+def loss_verdict(numbers: dict, a: str, b: str, key: str) -> str:
+    """The Claims rule's verdict (claims.verdict, marked) on a − b of loss `key` ("final_train_loss" or
+    "heldout_loss"; lower is claimed), its minimum effect scaled by the baseline's mean (b's without a baseline)."""
+    ref = BASELINE if BASELINE in numbers else b
+    scale = mean_std(list(numbers[ref][key].values()))[0]
+    return claims.marked(claims.verdict(paired(numbers, a, b, key), -1, claims.MIN_EFFECT[key].of(scale)))
 
 
 def _source(src: dict) -> str:
     kind = src.get("kind", "?")
     if kind == "corpus":
         return f"packaged corpus, {src.get('split', '?')} split"
+    if kind == "backcopy":
+        return f"Bigram-Backcopy task, {src.get('split', '?')} split"
     if kind == "files":
         return "files " + ", ".join(src.get("paths", []))
     return f"{kind} {src.get('name', '')} {src.get('subset', '')} ({src.get('split', '')})".replace("  ", " ")
+
+
+def _count(n, noun: str) -> str:
+    """'1 head', '4 heads', '? heads' (not recorded)."""
+    return f"{n} {noun}" if n == 1 else f"{'?' if n is None else n} {noun}s"
 
 
 def setup_rows(summary: dict, runs: dict[str, list[SeedRun]]) -> list[list[str]]:
@@ -61,8 +66,8 @@ def setup_rows(summary: dict, runs: dict[str, list[SeedRun]]) -> list[list[str]]
     params = base.params
     src = d.get("train", {})
     rows = [
-        ["model", f"{m.get('arch', '?')}: {m.get('num_layers', '?')} layers, hidden {m.get('hidden_size', '?')}, "
-                  f"{m.get('num_heads', '?')} heads / {m.get('num_kv_heads', '?')} KV heads, vocab "
+        ["model", f"{m.get('arch', '?')}: {_count(m.get('num_layers'), 'layer')}, hidden {m.get('hidden_size', '?')}, "
+                  f"{_count(m.get('num_heads'), 'head')} / {_count(m.get('num_kv_heads'), 'KV head')}, vocab "
                   f"{m.get('vocab_size', '?')}" + (f", {params:,} parameters ({base.variant})" if params else "")],
         ["data", f"train: {_source(src)}; held-out: {_source(d.get('eval', {}))}; tokenizer "
                  f"{d.get('tokenizer', '?')}, sequence length {seq}"],
@@ -154,19 +159,23 @@ def grad_table(runs: dict[str, list[SeedRun]], window: tuple[int, int], label: s
 
 
 def control_table(numbers: dict) -> Table | None:
-    """Table 3: each method against each of its registered controls in the run, paired by seed (None without one)."""
+    """Table 3: each method against each of its registered controls in the run, paired by seed, each loss with the
+    Claims rule's verdict (the same numbers and verdicts as the Claims rows on the losses); None without a control."""
     rows, isolates = [], {}
     for v, c in control_pairs(numbers):
         held, train = paired(numbers, v, c, "heldout_loss"), paired(numbers, v, c, "final_train_loss")
-        rows.append([f"{v} − {c}", str(len(held)), fmt_seeds(held, "{:+.4f}"), fmt_seeds(train, "{:+.4f}"),
-                     verdict(held)])
+        rows.append([f"{v} − {c}", str(len(held)), fmt_seeds(held, "{:+.4f}"),
+                     loss_verdict(numbers, v, c, "heldout_loss"), fmt_seeds(train, "{:+.4f}"),
+                     loss_verdict(numbers, v, c, "final_train_loss")])
         isolates[c] = REGISTRY[c].isolates
     if not rows:
         return None
     reading = "; ".join(f"method − {c} isolates {what}" for c, what in isolates.items() if what)
+    least = ", ".join(f"{claims.MIN_EFFECT[k].words(BASELINE)} for {k}" for k in ("heldout_loss", "final_train_loss"))
     cap = ("Differences paired by seed (same initial weights and data order), mean ± sample std over seeds; "
-           f"negative = the method has the lower loss. Reading: a direction only when |mean| > {SPREAD_FACTOR:g} x "
-           "the paired std (a rough screen, not a significance test)."
+           "negative = the method has the lower loss. Each verdict is the Claims rule's on that column (lower loss "
+           f"claimed; minimum effect {least}), so it matches the Claims rows 'lower held-out perplexity' and "
+           "'lower training loss' wherever the pair is there too."
            + (f" {reading[0].upper()}{reading[1:]}." if reading else ""))
-    header = ["method − control", "paired seeds", "Δ held-out loss", "Δ final train loss", "reading"]
+    header = ["method − control", "paired seeds", "Δ held-out loss", "verdict", "Δ final train loss", "verdict"]
     return Table(header, rows, cap, "Table 3. Methods against their controls")

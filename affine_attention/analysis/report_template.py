@@ -89,7 +89,7 @@ figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
 .table-title { font-weight: 600; margin-bottom: 0; }
 table.kv td { text-align: left; white-space: normal; }
 table.kv td:first-child { font-weight: 600; white-space: nowrap; }
-td.wrap { white-space: normal; overflow-wrap: anywhere; }
+td.wrap, th.wrap { white-space: normal; overflow-wrap: break-word; }  /* at spaces: an identifier is never split */
 ol.notes { color: #444; font-size: 0.88em; margin: .2em 0 .4em; padding-left: 1.6em; }
 """
 
@@ -115,7 +115,10 @@ def to_html(blocks: list, title: str) -> str:
             if b.key_value:
                 out.append('<table class="kv"><tbody>')
             else:
-                out.append("<table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in b.header) +
+                # A wrapping column's header wraps too: a long one ("affine_gated − scaled_softmax") would
+                # otherwise set the column's width and push the verdicts out of view.
+                out.append("<table><thead><tr>" + "".join(f'<th class="wrap">{e(h)}</th>' if i in b.wrap_columns
+                                                          else f"<th>{e(h)}</th>" for i, h in enumerate(b.header)) +
                            "</tr></thead><tbody>")
             out += ["<tr>" + "".join(f'<td class="wrap">{e(str(c))}</td>' if i in b.wrap_columns
                                      else f"<td>{e(str(c))}</td>" for i, c in enumerate(row)) + "</tr>"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def _limit(text: str) -> int | float:
@@ -15,6 +16,17 @@ def _limit(text: str) -> int | float:
     if value <= 0 or (value >= 1 and not value.is_integer()):
         raise argparse.ArgumentTypeError("expected a positive integer count or a fraction below 1")
     return int(value) if value >= 1 else value
+
+
+PPL_SEQ_LEN = 1024  # the perplexity window when --seq-len is not given and the model allows it
+
+
+def ppl_seq_len(given: int | None, max_positions: int | None) -> int:
+    """--seq-len, or without it PPL_SEQ_LEN capped at the model's max_position_embeddings (a default compare
+    checkpoint has 32): an example that names no window must run on any checkpoint this package trains."""
+    if given is not None:
+        return given
+    return min(PPL_SEQ_LEN, max_positions) if max_positions else PPL_SEQ_LEN
 
 
 def _check_tokenizer_given(args) -> None:
@@ -55,7 +67,8 @@ def add_commands(subparsers) -> None:
         help="folder of your own task YAMLs (repeatable)",
     )
     parser.add_argument("--ppl", metavar="FILE", help="token-level perplexity on a .txt or .jsonl ('text' field) file")
-    parser.add_argument("--seq-len", type=int, default=1024, help="perplexity window length (default 1024)")
+    parser.add_argument("--seq-len", type=int, default=None, help=f"perplexity window length (default {PPL_SEQ_LEN}, "
+                        "or the model's max_position_embeddings when that is shorter)")
     parser.add_argument("--stride", type=int, help="perplexity sliding-window step (default: --seq-len, no overlap)")
     parser.add_argument("--limit", type=_limit, help="at most N documents per task (testing only)")
     parser.add_argument("--batch-size", type=int, default=8,
@@ -134,8 +147,12 @@ def _run(args) -> int:
         results = {"tasks": {}, "config": {}}
     results["config"]["model"] = args.model
     if args.ppl:
+        seq_len = ppl_seq_len(args.seq_len, getattr(model.config, "max_position_embeddings", None))
+        if seq_len != (args.seq_len or PPL_SEQ_LEN):
+            print(f"--ppl: windows of {seq_len} tokens, the model's max_position_embeddings (--seq-len sets another)",
+                  file=sys.stderr)
         ppl = perplexity(
-            model, tokenizer, args.ppl, seq_len=args.seq_len, stride=args.stride, batch_size=args.batch_size
+            model, tokenizer, args.ppl, seq_len=seq_len, stride=args.stride, batch_size=args.batch_size
         )
         results["perplexity"] = {"source": str(args.ppl), **ppl}
 

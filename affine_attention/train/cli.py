@@ -159,14 +159,16 @@ def _prepare(args) -> int:
     return 0
 
 
-def run_compare(args) -> tuple[str, bool]:
-    """Train and summarise every variant (`compare`); prints summary.md on rank 0. Returns (run folder, is rank 0)."""
+def run_compare(args, after=None) -> tuple[str, bool]:
+    """Train and summarise every variant (`compare`); prints summary.md on rank 0. Returns (run folder, is rank 0).
+    after: what follows training and its estimated time, for the progress lines (compare.compare's `after`)."""
     from .compare import compare
     from .distributed import teardown
 
     cfg = run_config(args)
     out = _out_dir(args, cfg, "compare")
-    compare(cfg, out, seeds=args.seeds, resume=args.resume, log=lambda m: print(m, file=sys.stderr, flush=True))
+    compare(cfg, out, seeds=args.seeds, resume=args.resume, log=lambda m: print(m, file=sys.stderr, flush=True),
+            after=after)
     teardown()  # only after a normal end (see teardown)
     main = int(os.environ.get("RANK", "0")) == 0
     if main:

@@ -75,14 +75,23 @@ def markdown(summary: dict[str, Any], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def overall_line(i: int, n: int, elapsed_s: float, trained: int, left: int) -> str:
+def overall_line(i: int, n: int, elapsed_s: float, trained: int, left: int,
+                 after: tuple[str, float] | None = None) -> str:
     """The one overall progress line of a compare: run i of n, the time so far and an estimate of the time left.
 
     trained: runs trained so far in this invocation (resumed ones cost nothing, so they do not enter the rate);
     left: runs still to train, this one included. The estimate assumes the remaining runs cost what the trained ones
     did on average (every run of a compare has the same steps and model size, variants differ by a few percent);
-    before the first run has finished there is no rate, and the line says so instead of guessing."""
-    eta = f"about {_clock(elapsed_s / trained * left)} left" if trained else "time left known after the first run"
+    before the first run has finished there is no rate, and the line says so instead of guessing. after: (what, its
+    estimated seconds), the work that follows training (the report), included in the time left."""
+    then = f"{after[0]} about {_clock(after[1])}" if after else None
+    if not trained:
+        eta = "time left known after the first run" + (f"; then {then}" if then else "")
+    elif then:
+        train_s = elapsed_s / trained * left
+        eta = f"about {_clock(train_s + after[1])} left (training {_clock(train_s)}, then {then})"
+    else:
+        eta = f"about {_clock(elapsed_s / trained * left)} left"
     return f"[compare] run {i} of {n}, {_clock(elapsed_s)} elapsed, {eta}"
 
 
@@ -156,16 +165,36 @@ def check_compare_dir(out_dir: Path, cfg: RunConfig, seeds: int, resume: bool) -
                             where="comparison")
 
 
+def check_variants(names: list[str]) -> None:
+    """compare.variants before anything trains: a typo found at the third variant would cost the first two runs."""
+    import difflib
+
+    from ..variants import variant_names
+
+    known = variant_names()
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            raise ValueError(f"compare.variants: unknown variant {name!r}"
+                             + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + f"; choose from {', '.join(known)} (nothing was trained)")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"compare.variants names {', '.join(twice)} more than once; list each variant once")
+
+
 def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, resume: bool = False,
-            log=print) -> dict[str, Any]:
+            log=print, after=None) -> dict[str, Any]:
     """Train every variant for every seed (`seeds`, default compare.seeds) into out_dir and write summary.json /
-    summary.md (see module doc)."""
+    summary.md (see module doc). after: None, or a function of (the config as a dict, the number of runs) giving
+    (what follows training, its estimated seconds) for the progress lines' time left (the command's report)."""
     from .distributed import setup
 
     out_dir = Path(out_dir)
     if seeds is None:
         seeds = cfg.compare.seeds
     field_range(CompareConfig, "seeds").check("--seeds", seeds)  # the range compare.seeds declares
+    check_variants(cfg.compare.variants)
     # Every rank, before rank 0 writes: setup's rendezvous waits for every rank, so none checks after the writes.
     check_compare_dir(out_dir, cfg, seeds, resume)
     info = setup(cfg.train.device)
@@ -181,13 +210,15 @@ def compare(cfg: RunConfig, out_dir: str | Path, *, seeds: int | None = None, re
             lock.release()
             raise
     try:
-        return _compare(cfg, out_dir, seeds, resume, info, log)
+        then = after(cfg.to_dict(), seeds * len(cfg.compare.variants)) if after is not None else None
+        return _compare(cfg, out_dir, seeds, resume, info, log, then)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _compare(cfg: RunConfig, out_dir: Path, seeds: int, resume: bool, info, log) -> dict[str, Any]:
+def _compare(cfg: RunConfig, out_dir: Path, seeds: int, resume: bool, info, log,
+             after: tuple[str, float] | None) -> dict[str, Any]:
     """compare() once its folder is checked, held and its manifest written."""
     from .loop import train
     from .model import base_model, tokenizer_spec, variant_options
@@ -209,7 +240,8 @@ def _compare(cfg: RunConfig, out_dir: Path, seeds: int, resume: bool, info, log)
             for v in cfg.compare.variants:
                 if (k, v) not in todo:
                     log(f"[compare] {v} seed {k}: already done, reusing {out_dir / v / f'seed{k}' / 'result.json'}")
-            log(overall_line(k * len(cfg.compare.variants) + 1, n_runs, time.time() - t0, trained, len(todo) - trained)
+            log(overall_line(k * len(cfg.compare.variants) + 1, n_runs, time.time() - t0, trained,
+                             len(todo) - trained, after)
                 + f"; seed {k}: {', '.join(v for v, _, _ in runs)} in lockstep, one teacher forward shared")
             got = dict(zip([v for v, _, _ in runs], lockstep(seed_cfg, runs, base_model=base, seed=k, log=log)
                            if runs else []))
@@ -225,14 +257,15 @@ def _compare(cfg: RunConfig, out_dir: Path, seeds: int, resume: bool, info, log)
                 results[variant].append(read_result(run_dir))
                 continue
             log(overall_line(k * len(cfg.compare.variants) + cfg.compare.variants.index(variant) + 1, n_runs,
-                             time.time() - t0, trained, len(todo) - trained))
+                             time.time() - t0, trained, len(todo) - trained, after))
             log(f"[compare] {variant} seed {k} -> {run_dir}")
             partial = resume and (run_dir / "metrics.jsonl").is_file()
             results[variant].append(train(seed_cfg, run_dir, resume=partial, base_model=base, variant=variant,
                                           variant_options=variant_options(cfg, variant),
                                           label=f"{variant} s{k}", log=log))
             trained += 1
-    log(f"[compare] {n_runs} of {n_runs} runs done in {_clock(time.time() - t0)}")
+    log(f"[compare] {n_runs} of {n_runs} runs done in {_clock(time.time() - t0)}"
+        + (f"; then {after[0]} about {_clock(after[1])}" if after else ""))
     summary = {"variants": summarize(results), "seeds": seeds, "total_wall_time_s": time.time() - t0,
                "config": cfg.to_dict(), "hardware": hardware(), "versions": versions()}
     if info.is_main:
