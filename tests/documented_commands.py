@@ -65,8 +65,8 @@ HOW = {
         Parsed("needs a compare run's checkpoint and the user's held-out file"),
     "affine-attention eval --model DIR --tasks paper": Parsed(NET),
     "lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True --tasks arc_easy,piqa": Parsed(NET),
-    "affine-attention eval --write-tasks fixture_tasks": Here(expect="fixture_piqa"),
-    "lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True --include_path fixture_tasks "
+    "affine-attention eval --write-tasks runs/fixture_tasks": ByTest("tests/test_eval_tasks_cli.py"),
+    "lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True --include_path runs/fixture_tasks "
     "--tasks fixture_piqa": Parsed(LM),
     # docs/analysis.md
     "affine-attention analyze --model smollm2 --sequences 10 --length 1024 --out runs/analysis/smollm2":

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import documented
 import pytest
 
 from test_eval_cli import model_dir  # noqa: F401  (fixture: a saved tiny Llama with the packaged tokenizer)
@@ -78,8 +79,8 @@ def test_lm_evals_own_command_runs_the_written_tasks(written, model_dir, tmp_pat
         assert 0.0 <= raw["results"][name]["acc,none"] <= 1.0
 
 
-# The README's text, copied here (a later change reads it from the README itself: tests/documented_commands.py).
-README_WRITE_TASKS = "affine-attention eval --write-tasks runs/fixture_tasks"
+# The README's text, read from the README (fails when the README changes it).
+README_WRITE_TASKS = documented.command("affine-attention eval --write-tasks runs/fixture_tasks")
 
 
 def test_the_readmes_write_tasks_command_leaves_nothing_in_the_repository_root(tmp_path, monkeypatch):
