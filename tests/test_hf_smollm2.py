@@ -12,6 +12,7 @@ from test_hf_common import CACHE, perturb  # noqa: F401  (skips without transfor
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import affine_attention
+from affine_attention.hf import load_model, load_tokenizer
 from affine_attention.text.corpus import corpus_texts
 from affine_attention.variants import can_retrofit, variant_names
 
@@ -30,11 +31,7 @@ def _gguf_dir() -> Path:
 def smollm():
     path = _gguf_dir()
     tok = AutoTokenizer.from_pretrained(path, gguf_file=GGUF)
-    gguf = AutoModelForCausalLM.from_pretrained(path, gguf_file=GGUF, dtype=torch.float32)
-    # transformers refuses to save a model loaded from GGUF; the same dequantised weights in a plain model can be.
-    model = AutoModelForCausalLM.from_config(gguf.config, dtype=torch.float32)
-    model.load_state_dict(gguf.state_dict())
-    model.eval().generation_config = gguf.generation_config
+    model = load_model("smollm2", dtype=torch.float32)  # the GGUF's quantizer released: it saves (test below)
     ids = tok(corpus_texts("validation")[0][:3000], return_tensors="pt").input_ids[:, :512]
     return model, tok, ids
 
@@ -49,6 +46,24 @@ def test_converted_gguf_model_saves_and_reloads(smollm, tmp_path):
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
     with torch.no_grad():
         torch.testing.assert_close(again(ids[:, :64]).logits, converted(ids[:, :64]).logits, rtol=0, atol=1e-5)
+
+
+def test_unconverted_baseline_from_the_gguf_saves_and_reloads_exactly(smollm, tmp_path):
+    """The documented path's baseline: load_model("smollm2") (the packaged GGUF, dequantised) saves with
+    save_pretrained like any transformers model (transformers refused: "quantized with gguf and is not
+    serializable"), and the folder reloads, without this package, as the same plain Llama: same logits, same
+    tokenizer."""
+    model, tok, ids = smollm
+    model.save_pretrained(tmp_path / "base")
+    load_tokenizer("smollm2").save_pretrained(tmp_path / "base")
+    config = (tmp_path / "base" / "config.json").read_text()
+    assert '"model_type": "llama"' in config and "quantization_config" not in config
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    assert type(again).__name__ == "LlamaForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids[:, :64]).logits, model(ids[:, :64]).logits, rtol=0, atol=0)
+    text = "The quick brown fox <|im_end|>"
+    assert AutoTokenizer.from_pretrained(tmp_path / "base")(text).input_ids == tok(text).input_ids
 
 
 def _nll(model, ids) -> float:
