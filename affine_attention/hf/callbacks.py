@@ -11,21 +11,22 @@ from .peft import check_adapter
 
 
 class CpuAutocastWarning(UserWarning):
-    """A Trainer on CPU with bf16=True (trl's SFTConfig default): see `RunningStatsCallback.on_train_begin`."""
+    """A Trainer on CPU with bf16=True (trl's SFTConfig default): see `check_cpu_autocast`."""
 
 
 def check_cpu_autocast(args) -> None:
     """Warn when `args` (TrainingArguments, trl's configs) train on CPU in bf16 or fp16: accelerate then runs every
     forward under torch.autocast, and leaves the trained model's `forward` wrapped in it after `train()`. That model
-    then differs from its own saved checkpoint reloaded in float32 (by 1.03 in the logits on SmolLM2-135M, weights
-    equal), which looks like a save bug and is not one. trl's SFTConfig sets bf16=True by default, so nobody asked."""
+    then differs from its own saved checkpoint reloaded in float32 (by 1.03 in the logits on SmolLM2-135M as issue
+    44 reports, weights equal), which looks like a save bug and is not one. trl's SFTConfig sets bf16=True by
+    default, so the user may never have asked for it."""
     half = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None
     if half is None or args.device.type != "cpu":
         return
     warnings.warn(f"training on CPU with {half}=True (trl's SFTConfig sets bf16=True by default): every forward runs "
                   "under torch.autocast, and after train() the model's forward stays wrapped in it, so this model's "
-                  "logits differ from those of the checkpoint it saves, reloaded in float32 (weights equal; about 1 "
-                  f"on SmolLM2-135M). To train and compare in float32 on CPU pass {half}=False, e.g. "
+                  "logits differ from those of the checkpoint it saves, reloaded in float32 (weights equal). To "
+                  f"train and compare in float32 on CPU pass {half}=False, e.g. "
                   f"SFTConfig(..., {half}=False)", CpuAutocastWarning, stacklevel=2)
 
 
