@@ -1,4 +1,5 @@
-"""The real pretrained SmolLM2-135M (GGUF, offline): conversions on a real model (slow)."""
+"""The real pretrained SmolLM2-135M (GGUF, offline): conversions on a real model, the unconverted baseline saved, and
+the documented end-to-end path run as written (slow)."""
 from __future__ import annotations
 
 import copy
