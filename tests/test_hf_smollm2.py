@@ -233,7 +233,7 @@ def test_documented_smollm2_path_runs_as_written(smollm, tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
     results = {name: json.loads((tmp_path / name / "results.json").read_text())
                for name in ("eval-base", "eval-affine")}
-    in_process = perplexity(model, tok, (tmp_path / "held_out.txt").read_text())["ppl"]
+    in_process = perplexity(model, tok, [(tmp_path / "held_out.txt").read_text()])["ppl"]
     assert results["eval-base"]["perplexity"]["ppl"] == pytest.approx(in_process, rel=1e-4)
     for result in results.values():
         assert math.isfinite(result["perplexity"]["ppl"]) and "fixture_arc_easy" in result["tasks"]
