@@ -80,6 +80,34 @@ def test_never_loads_as_softmax_without_the_package(tmp_path):
     assert direct.returncode != 0 and 'attn_implementation="affine_attention"` is not supported' in direct.stderr
 
 
+def test_tokenizer_of_a_converted_folder_loads_without_the_package(tmp_path):
+    """AutoTokenizer reads config.json through AutoConfig before it picks a tokenizer class; in a process that never
+    imported the package, the folder's model type is unknown and its auto_map (the model's trust_remote_code path)
+    makes transformers ask "Do you wish to run the custom code?" although the tokenizer needs none. The documented
+    way, trust_remote_code=False, declines only the model's loader: no question, nothing of the package imported,
+    the same token ids. (Plain AutoTokenizer.from_pretrained still asks: transformers' behaviour, documented.)"""
+    from affine_attention.text.corpus import default_tokenizer
+
+    tok = default_tokenizer()
+    ckpt = tmp_path / "ckpt"
+    tiny("llama", "affine", vocab_size=len(tok)).save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    text = "To be, or not to be"
+
+    def load(extra: str) -> subprocess.CompletedProcess:
+        return _run(f"import sys\nfrom transformers import AutoTokenizer\n"
+                    f"t = AutoTokenizer.from_pretrained({str(ckpt)!r}{extra})\n"
+                    f"assert not any(m.startswith('affine_attention') for m in sys.modules)\n"
+                    f"print(t({text!r}).input_ids)", tmp_path)
+
+    declined = load(", trust_remote_code=False")
+    assert declined.returncode == 0, declined.stderr[-2000:]
+    assert "custom code" not in declined.stdout + declined.stderr
+    assert declined.stdout.strip().splitlines()[-1] == str(tok(text).input_ids)
+    asked = load("")
+    assert "Do you wish to run the custom code?" in asked.stdout + asked.stderr
+
+
 def _saved_with_logits(family: str, tmp_path):
     """A perturbed tiny sink model saved to tmp_path/ckpt, its logits on 12 tokens in tmp_path/ref.pt; the code that
     checks a reloaded `m` gives the same."""

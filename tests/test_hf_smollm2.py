@@ -1,4 +1,5 @@
-"""The real pretrained SmolLM2-135M (GGUF, offline): conversions on a real model (slow)."""
+"""The real pretrained SmolLM2-135M (GGUF, offline): conversions on a real model, the unconverted baseline saved, and
+the documented end-to-end path run as written (slow)."""
 from __future__ import annotations
 
 import copy
@@ -12,6 +13,7 @@ from test_hf_common import CACHE, perturb  # noqa: F401  (skips without transfor
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import affine_attention
+from affine_attention.hf import load_model, load_tokenizer
 from affine_attention.text.corpus import corpus_texts
 from affine_attention.variants import can_retrofit, variant_names
 
@@ -30,11 +32,7 @@ def _gguf_dir() -> Path:
 def smollm():
     path = _gguf_dir()
     tok = AutoTokenizer.from_pretrained(path, gguf_file=GGUF)
-    gguf = AutoModelForCausalLM.from_pretrained(path, gguf_file=GGUF, dtype=torch.float32)
-    # transformers refuses to save a model loaded from GGUF; the same dequantised weights in a plain model can be.
-    model = AutoModelForCausalLM.from_config(gguf.config, dtype=torch.float32)
-    model.load_state_dict(gguf.state_dict())
-    model.eval().generation_config = gguf.generation_config
+    model = load_model("smollm2", dtype=torch.float32)  # the GGUF's quantizer released: it saves (test below)
     ids = tok(corpus_texts("validation")[0][:3000], return_tensors="pt").input_ids[:, :512]
     return model, tok, ids
 
@@ -49,6 +47,24 @@ def test_converted_gguf_model_saves_and_reloads(smollm, tmp_path):
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
     with torch.no_grad():
         torch.testing.assert_close(again(ids[:, :64]).logits, converted(ids[:, :64]).logits, rtol=0, atol=1e-5)
+
+
+def test_unconverted_baseline_from_the_gguf_saves_and_reloads_exactly(smollm, tmp_path):
+    """The documented path's baseline: load_model("smollm2") (the packaged GGUF, dequantised) saves with
+    save_pretrained like any transformers model (transformers refused: "quantized with gguf and is not
+    serializable"), and the folder reloads, without this package, as the same plain Llama: same logits, same
+    tokenizer."""
+    model, tok, ids = smollm
+    model.save_pretrained(tmp_path / "base")
+    load_tokenizer("smollm2").save_pretrained(tmp_path / "base")
+    config = (tmp_path / "base" / "config.json").read_text()
+    assert '"model_type": "llama"' in config and "quantization_config" not in config
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    assert type(again).__name__ == "LlamaForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids[:, :64]).logits, model(ids[:, :64]).logits, rtol=0, atol=0)
+    text = "The quick brown fox <|im_end|>"
+    assert AutoTokenizer.from_pretrained(tmp_path / "base")(text).input_ids == tok(text).input_ids
 
 
 def _nll(model, ids) -> float:
@@ -144,3 +160,80 @@ def test_retrofitted_affine_in_bfloat16_drifts_no_more_than_the_original(smollm,
         conv_err = float((conv_bf(ids).logits.float() - ref).abs().max())
         assert conv_err <= 1.5 * base_err, (conv_err, base_err)
         assert _greedy_agreement(conv_bf, tok) >= _greedy_agreement(base_bf, tok)
+
+
+# The path of docs/huggingface.md ("SmolLM2-135M end to end"), its literal text copied here (asserted verbatim in the
+# document, so the two cannot drift apart silently): the Python step, then the two documented eval commands.
+DOCUMENTED_PATH = """import torch
+import trl
+from datasets import Dataset
+
+import affine_attention
+from affine_attention.hf import load_model, load_tokenizer
+from affine_attention.hf.callbacks import RunningStatsCallback
+from affine_attention.text.corpus import corpus_texts
+
+tok = load_tokenizer("smollm2")
+model = load_model("smollm2", dtype=torch.float32)
+model.save_pretrained("smollm2-base")            # the unconverted baseline: a plain Llama checkpoint
+tok.save_pretrained("smollm2-base")
+
+affine_attention.convert(model, "affine", function_preserving=True)   # in place; same logits as the baseline
+data = Dataset.from_list([{"text": text} for text in corpus_texts("train")[:16]])
+args = trl.SFTConfig("smollm2-affine-sft", bf16=False, use_cpu=True, max_length=128, per_device_train_batch_size=4,
+                     max_steps=5, learning_rate=3e-4, report_to=[], save_strategy="no")
+trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok,
+               callbacks=[RunningStatsCallback()]).train()
+model.save_pretrained("smollm2-affine")          # the converted, fine-tuned model
+tok.save_pretrained("smollm2-affine")
+with open("held_out.txt", "w") as f:
+    f.write(corpus_texts("validation")[0][:20000])
+"""
+DOCUMENTED_EVALS = [
+    "affine-attention eval --model smollm2-base --tasks fixtures --ppl held_out.txt --out eval-base",
+    "affine-attention eval --model smollm2-affine --tasks fixtures --ppl held_out.txt --out eval-affine",
+]
+
+
+def test_documented_smollm2_path_runs_as_written(smollm, tmp_path):
+    """The document's Python and eval commands, run as written in an empty folder: the baseline reloads as the plain
+    Llama the GGUF holds (same logits, same perplexity as in this process), the fine-tuned converted model reloads
+    with its variant and trained statistics, trl did not train under CPU autocast (bf16=False), and both folders
+    evaluate."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from affine_attention.eval.perplexity import perplexity
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "huggingface.md").read_text()
+    assert DOCUMENTED_PATH in doc and all(command in doc for command in DOCUMENTED_EVALS)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    run = subprocess.run([sys.executable, "-c", DOCUMENTED_PATH], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, stdin=subprocess.DEVNULL, timeout=1800)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "CpuAutocastWarning" not in run.stderr
+
+    model, tok, ids = smollm
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "smollm2-base").eval()
+    assert type(base).__name__ == "LlamaForCausalLM"
+    tuned = AutoModelForCausalLM.from_pretrained(tmp_path / "smollm2-affine").eval()
+    assert type(tuned).__name__ == "AffineLlamaForCausalLM"
+    alpha_ma = torch.cat([b for n, b in tuned.named_buffers() if n.endswith("alpha_ma")])
+    assert float(alpha_ma.abs().min()) > 0  # stepped by RunningStatsCallback at every layer and head
+    with torch.no_grad():
+        torch.testing.assert_close(base(ids[:, :64]).logits, model(ids[:, :64]).logits, rtol=0, atol=0)
+        assert not torch.equal(tuned(ids[:, :64]).logits, model(ids[:, :64]).logits)  # trained
+
+    for command in DOCUMENTED_EVALS:
+        done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=1800)
+        assert done.returncode == 0, done.stderr[-3000:]
+    results = {name: json.loads((tmp_path / name / "results.json").read_text())
+               for name in ("eval-base", "eval-affine")}
+    in_process = perplexity(model, tok, [(tmp_path / "held_out.txt").read_text()])["ppl"]
+    assert results["eval-base"]["perplexity"]["ppl"] == pytest.approx(in_process, rel=1e-4)
+    for result in results.values():
+        assert math.isfinite(result["perplexity"]["ppl"]) and "fixture_arc_easy" in result["tasks"]

@@ -91,3 +91,21 @@ def test_dry_run_of_paper_presets(preset, hf_preset, expected, overhead, capsys)
             mc.tie_embeddings, mc.rope_theta) == (
         ref["hidden_size"], ref["intermediate_size"], ref["num_hidden_layers"], ref["num_attention_heads"],
         ref["num_key_value_heads"], ref["vocab_size"], ref["tie_word_embeddings"], ref["rope_theta"])
+
+
+def test_smollm2_presets_separate_documents_as_smollm2_was_pretrained():
+    """Every preset that reads SmolLM2's tokenizer (the KD teacher's, or a retrofit's init_from) ends documents with
+    <|endoftext|>, SmolLM2's pretraining separator, not the Instruct tokenizer's eos <|im_end|> (a chat turn's end),
+    so the retrofit and KD presets train on the same document boundaries."""
+    from affine_attention.hf.load import SHORTHANDS
+
+    def smollm2(spec):
+        return SHORTHANDS.get(str(spec).lower(), spec) == SHORTHANDS["smollm2"]
+
+    seen = []
+    for name in preset_names():
+        cfg = load_config(name)
+        if smollm2(cfg.data.tokenizer) or smollm2(cfg.model.init_from):
+            seen.append((name, cfg.data.separator))
+    assert {name for name, _ in seen} >= {"kd-smollm2", "retrofit-smollm2"}
+    assert {sep for _, sep in seen} == {"<|endoftext|>"}, seen

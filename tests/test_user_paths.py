@@ -115,6 +115,45 @@ def test_trl_sft_trainer_with_packing_matches_unconverted(tmp_path):
     assert float(alpha_ma.abs().max()) > 0  # stepped by the callback
 
 
+def test_trl_bf16_on_cpu_is_named_and_bf16_false_reloads_exactly(tmp_path):
+    """trl's SFTConfig defaults to bf16=True, also on CPU: accelerate then leaves the trained model's forward wrapped
+    in torch.autocast, so it differs from its own reloaded checkpoint (the trap, which looks like a save bug). The
+    callback names it at train time; with bf16=False the reload gives the same logits exactly."""
+    trl = pytest.importorskip("trl")
+    import warnings
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from affine_attention.hf.callbacks import CpuAutocastWarning, RunningStatsCallback
+
+    tok = default_tokenizer()
+    lines = [line for line in corpus_texts("train")[0].splitlines() if len(line.split()) > 3][:8]
+    data = Dataset.from_list([{"text": line} for line in lines])
+    ids = torch.tensor([tok("To be or not to be, that is the question").input_ids])
+
+    def train_and_reload(name, **config):
+        model = _converted_pair(seed=6, vocab_size=len(tok))[1]
+        args = trl.SFTConfig(output_dir=str(tmp_path / name), max_length=32, per_device_train_batch_size=2,
+                             max_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, **config)
+        trainer = trl.SFTTrainer(model=model.train(), args=args, train_dataset=data, processing_class=tok,
+                                 callbacks=[RunningStatsCallback()])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+        model.eval().save_pretrained(tmp_path / name / "final")
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / name / "final").eval()
+        with torch.no_grad():
+            gap = float((model(ids).logits.float() - again(ids).logits).abs().max())
+        return [w for w in caught if issubclass(w.category, CpuAutocastWarning)], gap
+
+    named, gap = train_and_reload("default")  # SFTConfig's own default: bf16=True
+    assert len(named) == 1 and "bf16=False" in str(named[0].message), [str(w.message) for w in named]
+    assert gap > 1e-4  # the trap is real: the in-memory model still runs under autocast
+    named, gap = train_and_reload("fp32", bf16=False)
+    assert named == [] and gap == 0.0
+
+
 def test_readme_peft_import_registers_without_a_warning():
     """`from affine_attention import peft_config` is the package's first transformers import on the README's PEFT
     path: it must register the converted model types quietly (it once warned they would not load, yet they did)."""

