@@ -41,6 +41,7 @@ VERSION_INDEPENDENT = frozenset({
     "test_compare_progress.py", "test_compare_shared_teacher.py",
     "test_compare_tasks.py", "test_config_validation.py", "test_corpus.py",
     "test_data_backcopy.py", "test_dryrun.py", "test_e2e_compare.py", "test_eval_tasks_cli.py", "test_gradstats.py",
+    "test_locks.py",
     "test_metrics_reader.py", "test_newcomer.py", "test_plots.py", "test_prepare_data.py", "test_report.py",
     "test_run_lock.py", "test_serving_sinks.py", "test_sink_probe.py", "test_stream_ranks.py", "test_suites.py",
     "test_train_compare.py",
