@@ -126,6 +126,62 @@ def ci_part(doc: str, contains: str) -> str:
     return " && ".join(ours)
 
 
+def serve_and_ask(serve: str, ask: str, cwd, start_timeout_s: int = 420) -> tuple[int | str, str]:
+    """Run a document's server command and, once its /health answers, its request command, as written, in a network
+    namespace of their own (so the document's port is free and nothing outside can answer): (exit code, server log).
+    The request's output is in cwd/answer.json. 3: the server exited before it was ready; 4: not ready in time."""
+    import os
+    import signal
+    import subprocess
+    from urllib.parse import urlsplit
+
+    url = urlsplit(next(w for w in shlex.split(ask) if w.startswith(("http", "localhost", "127."))))
+    health = f"{url.scheme or 'http'}://{url.netloc or url.path.split('/')[0]}/health"
+    script = f"""
+ip link set lo up
+{serve} > server.log 2>&1 &
+server=$!
+for i in $(seq {start_timeout_s // 2}); do
+  curl -sf {health} > /dev/null && break
+  kill -0 $server 2> /dev/null || exit 3
+  sleep 2
+done
+curl -sf {health} > /dev/null || exit 4
+{ask} > answer.json
+status=$?
+kill -TERM $server
+wait $server
+exit $status
+"""
+    # the environment's own commands first, as in the activated environment the document assumes
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    run = subprocess.Popen(["unshare", "--net", "bash", "-c", script], cwd=cwd, env=env, start_new_session=True,
+                           stdin=subprocess.DEVNULL)
+    try:
+        code: int | str = run.wait(timeout=start_timeout_s + 180)
+    except subprocess.TimeoutExpired:
+        code = "timed out"
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait(timeout=30)
+    log = Path(cwd, "server.log")
+    return code, log.read_text()[-4000:] if log.exists() else ""
+
+
+def netns_unusable() -> str | None:
+    """Why serve_and_ask cannot run here (it needs unshare and ip, as root), or None."""
+    import subprocess
+
+    try:
+        subprocess.run(["unshare", "--net", "ip", "link", "set", "lo", "up"], check=True, capture_output=True,
+                       timeout=30)
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"a network namespace with loopback (unshare --net, ip; root) is not available here: {err}"
+    return None
+
+
 def summary() -> str:
     """Per document: how many of its commands CI runs, tests run, run in a scratch folder, or only parse."""
     from documented_commands import HOW

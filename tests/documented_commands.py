@@ -78,6 +78,14 @@ HOW = {
     # docs/huggingface.md
     "lm_eval --model hf --model_args pretrained=runs/cmp/affine/seed0/final,trust_remote_code=True "
     "--tasks arc_easy,piqa --batch_size 8": Parsed(NET),
+    # docs/huggingface.md: SmolLM2 end to end (the pip line is the README's, which CI runs)
+    "transformers serve --trust-remote-code --device cpu smollm2-affine": ByTest("tests/test_hf_smollm2.py"),
+    "curl -s localhost:8000/v1/completions -H 'content-type: application/json' -d '{\"model\": \"smollm2-affine\", "
+    "\"prompt\": \"To be, or not to be\", \"max_tokens\": 8, \"temperature\": 0}'": ByTest("tests/test_hf_smollm2.py"),
+    "affine-attention eval --model smollm2-base --tasks fixtures --ppl held_out.txt --out eval-base":
+        ByTest("tests/test_hf_smollm2.py"),
+    "affine-attention eval --model smollm2-affine --tasks fixtures --ppl held_out.txt --out eval-affine":
+        ByTest("tests/test_hf_smollm2.py"),
     # docs/performance.md and docs/reliability.md: measurements
     "python benchmarks/bench_attention.py --dtypes float32 --kv-heads 8 2 --repeats 5": Parsed(LONG),
     "python benchmarks/bench_attention.py --dtypes bfloat16 --kv-heads 2 --lengths 256 1024 2048 4096 --repeats 3 "

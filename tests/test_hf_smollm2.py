@@ -7,6 +7,7 @@ import importlib.util
 import math
 from pathlib import Path
 
+import documented
 import pytest
 import torch
 from test_hf_common import CACHE, perturb  # noqa: F401  (skips without transformers, registers the model types)
@@ -190,9 +191,14 @@ with open("held_out.txt", "w") as f:
     f.write(corpus_texts("validation")[0][:20000])
 """
 DOCUMENTED_EVALS = [
-    "affine-attention eval --model smollm2-base --tasks fixtures --ppl held_out.txt --out eval-base",
-    "affine-attention eval --model smollm2-affine --tasks fixtures --ppl held_out.txt --out eval-affine",
+    documented.command("affine-attention eval --model smollm2-base --tasks fixtures --ppl held_out.txt --out eval-base"),
+    documented.command(
+        "affine-attention eval --model smollm2-affine --tasks fixtures --ppl held_out.txt --out eval-affine"),
 ]
+DOCUMENTED_SERVE = documented.command("transformers serve --trust-remote-code --device cpu smollm2-affine")
+DOCUMENTED_ASK = documented.command(
+    "curl -s localhost:8000/v1/completions -H 'content-type: application/json' -d '{\"model\": \"smollm2-affine\", "
+    "\"prompt\": \"To be, or not to be\", \"max_tokens\": 8, \"temperature\": 0}'")
 
 
 def test_documented_smollm2_path_runs_as_written(smollm, tmp_path):
@@ -233,6 +239,17 @@ def test_documented_smollm2_path_runs_as_written(smollm, tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
     results = {name: json.loads((tmp_path / name / "results.json").read_text())
                for name in ("eval-base", "eval-affine")}
+    # The documented server and request, as written: the fine-tuned converted model's greedy text.
+    unusable = documented.netns_unusable()
+    if unusable:
+        pytest.skip(unusable)
+    code, log = documented.serve_and_ask(DOCUMENTED_SERVE, DOCUMENTED_ASK, tmp_path)
+    assert code == 0, f"the documented transformers serve and curl ended with {code}:\n{log}"
+    answer = json.loads((tmp_path / "answer.json").read_text())
+    prompt = tok("To be, or not to be", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        greedy = tuned.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert answer["choices"][0]["text"] == tok.decode(greedy[0, prompt.shape[1]:], skip_special_tokens=True)
     in_process = perplexity(model, tok, [(tmp_path / "held_out.txt").read_text()])["ppl"]
     assert results["eval-base"]["perplexity"]["ppl"] == pytest.approx(in_process, rel=1e-4)
     for result in results.values():

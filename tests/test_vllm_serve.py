@@ -8,12 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import json
-import os
 import shlex
-import signal
-import subprocess
-import sys
-from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -31,24 +26,14 @@ ASK = documented.command(
 START_TIMEOUT_S = 420  # vLLM's start with torch.compile (its default) on 2 busy cores: seen 185 s
 
 
-def _netns_usable() -> str | None:
-    try:
-        subprocess.run(["unshare", "--net", "ip", "link", "set", "lo", "up"], check=True, capture_output=True,
-                       timeout=30)
-    except (OSError, subprocess.SubprocessError) as err:
-        return f"a network namespace with loopback (unshare --net, ip; root) is not available here: {err}"
-    return None
-
-
 @pytest.mark.slow
 def test_documented_vllm_serve_answers_like_generate(tmp_path):
     serve, ask = SERVE, ASK
-    unusable = _netns_usable()
+    unusable = documented.netns_unusable()
     if unusable:
         pytest.skip(unusable)
     words = shlex.split(ask)
     body = json.loads(words[words.index("-d") + 1])
-    url = urlsplit(next(w for w in words if w.startswith("http")))
 
     from transformers import AutoTokenizer
 
@@ -60,37 +45,7 @@ def test_documented_vllm_serve_answers_like_generate(tmp_path):
                              pad_token_id=0, eos_token_id=None)
     want = tok.decode(out[0, len(ids):], skip_special_tokens=True)
 
-    health = f"{url.scheme}://{url.netloc}/health"
-    script = f"""
-ip link set lo up
-{serve} > server.log 2>&1 &
-server=$!
-for i in $(seq {START_TIMEOUT_S // 2}); do
-  curl -sf {health} > /dev/null && break
-  kill -0 $server 2> /dev/null || exit 3
-  sleep 2
-done
-curl -sf {health} > /dev/null || exit 4
-{ask} > answer.json
-status=$?
-kill -TERM $server
-wait $server
-exit $status
-"""
-    # the environment's own commands (vllm) first, as in the activated environment the document assumes
-    env = {**os.environ, "HF_HUB_OFFLINE": "1",
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
-    run = subprocess.Popen(["unshare", "--net", "bash", "-c", script], cwd=tmp_path, env=env,
-                           start_new_session=True)
-    try:
-        code = run.wait(timeout=START_TIMEOUT_S + 180)
-    except subprocess.TimeoutExpired:
-        code = "timed out"
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
-            run.wait(timeout=30)
-    log = (tmp_path / "server.log").read_text()[-4000:] if (tmp_path / "server.log").exists() else ""
+    code, log = documented.serve_and_ask(serve, ask, tmp_path, START_TIMEOUT_S)
     reasons = {3: "vllm serve exited before it was ready", 4: f"vllm serve not ready in {START_TIMEOUT_S} s"}
     assert code == 0, f"{reasons.get(code, f'the documented commands ended with {code}')}:\n{log}"
     answer = json.loads((tmp_path / "answer.json").read_text())
