@@ -82,7 +82,7 @@ HOW = {
     "transformers serve --trust-remote-code --device cpu smollm2-affine": ByTest("tests/test_hf_smollm2.py"),
     "curl -s localhost:8000/v1/completions -H 'content-type: application/json' -d '{\"model\": \"smollm2-affine\", "
     "\"prompt\": \"To be, or not to be\", \"max_tokens\": 8, \"temperature\": 0}'": ByTest("tests/test_hf_smollm2.py"),
-    "affine-attention eval --model smollm2-base --tasks fixtures --ppl held_out.txt --out eval-base":
+    "affine-attention eval --model smollm2-base --ppl held_out.txt --out eval-base":
         ByTest("tests/test_hf_smollm2.py"),
     "affine-attention eval --model smollm2-affine --tasks fixtures --ppl held_out.txt --out eval-affine":
         ByTest("tests/test_hf_smollm2.py"),

@@ -191,7 +191,7 @@ with open("held_out.txt", "w") as f:
     f.write(corpus_texts("validation")[0][:20000])
 """
 DOCUMENTED_EVALS = [
-    documented.command("affine-attention eval --model smollm2-base --tasks fixtures --ppl held_out.txt --out eval-base"),
+    documented.command("affine-attention eval --model smollm2-base --ppl held_out.txt --out eval-base"),
     documented.command(
         "affine-attention eval --model smollm2-affine --tasks fixtures --ppl held_out.txt --out eval-affine"),
 ]
@@ -252,5 +252,5 @@ def test_documented_smollm2_path_runs_as_written(smollm, tmp_path):
     assert answer["choices"][0]["text"] == tok.decode(greedy[0, prompt.shape[1]:], skip_special_tokens=True)
     in_process = perplexity(model, tok, [(tmp_path / "held_out.txt").read_text()])["ppl"]
     assert results["eval-base"]["perplexity"]["ppl"] == pytest.approx(in_process, rel=1e-4)
-    for result in results.values():
-        assert math.isfinite(result["perplexity"]["ppl"]) and "fixture_arc_easy" in result["tasks"]
+    assert all(math.isfinite(result["perplexity"]["ppl"]) for result in results.values())
+    assert "fixture_arc_easy" in results["eval-affine"]["tasks"]
