@@ -31,30 +31,31 @@ def documents() -> list[Path]:
     return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
-def _strip_comment(line: str) -> str:
-    """The line up to a `#` that starts a comment (not inside quotes, not inside a word like `a#b`)."""
+def _unquoted(text: str):
+    """The indices of `text` outside single and double quotes (shlex agrees with bash on what is quoted here)."""
     quote = None
-    for i, ch in enumerate(line):
+    for i, ch in enumerate(text):
         if quote:
-            if ch == quote:
-                quote = None
+            quote = None if ch == quote else quote
         elif ch in "'\"":
             quote = ch
-        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+        else:
+            yield i
+
+
+def _strip_comment(line: str) -> str:
+    """The line up to a `#` that starts a comment (not inside quotes, not inside a word like `a#b`)."""
+    for i in _unquoted(line):
+        if line[i] == "#" and (i == 0 or line[i - 1].isspace()):
             return line[:i].rstrip()
     return line.rstrip()
 
 
 def _split_and(text: str) -> tuple[str, ...]:
-    """Split at the ` && ` operators outside quotes (shlex agrees with bash on what is quoted here)."""
-    parts, start, quote = [], 0, None
-    for i, ch in enumerate(text):
-        if quote:
-            if ch == quote:
-                quote = None
-        elif ch in "'\"":
-            quote = ch
-        elif text.startswith(" && ", i):
+    """Split at the ` && ` operators outside quotes."""
+    parts, start = [], 0
+    for i in _unquoted(text):
+        if i >= start and text.startswith(" && ", i):
             parts.append(text[start:i].strip())
             start = i + 4
     parts.append(text[start:].strip())
