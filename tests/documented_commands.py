@@ -70,7 +70,7 @@ HOW = {
     "--tasks fixture_piqa": Parsed(LM),
     # docs/analysis.md
     "affine-attention analyze --model smollm2 --sequences 10 --length 1024 --out runs/analysis/smollm2":
-        Here(expect="first_token", slow=True),
+        Here(expect="first-token mass", slow=True),
     "affine-attention analyze --model runs/compare-x/affine/seed0/final --out runs/analysis/affine":
         Parsed("needs a compare run's checkpoint"),
     "affine-attention analyze --model path/to/model.Q4_1.gguf --data my_texts.jsonl --layer 12":
