@@ -136,8 +136,9 @@ def serve_and_ask(serve: str, ask: str, cwd, start_timeout_s: int = 420) -> tupl
     import subprocess
     from urllib.parse import urlsplit
 
-    url = urlsplit(next(w for w in shlex.split(ask) if w.startswith(("http", "localhost", "127."))))
-    health = f"{url.scheme or 'http'}://{url.netloc or url.path.split('/')[0]}/health"
+    address = next(w for w in shlex.split(ask) if w.startswith(("http", "localhost", "127.")))
+    url = urlsplit(address if "://" in address else f"http://{address}")  # curl's default scheme
+    health = f"{url.scheme}://{url.netloc}/health"
     script = f"""
 ip link set lo up
 {serve} > server.log 2>&1 &
